@@ -1,0 +1,29 @@
+"""jaxembed: sharded embedding lookups for JAX.
+
+The layers, each importing only those above it in this list:
+
+* `jaxembed.layout` — dims mappings and partial dims <-> `PartitionSpec`;
+* `jaxembed.rules` — the sharding rules (pure Python, no jax needed);
+* `jaxembed.plan` — what runs where, with every collective and its bytes;
+* `jaxembed.ops` — `embedding(...)`: the `shard_map` kernels that execute a plan.
+
+`import jaxembed.rules` never imports jax; the jax-facing names below are loaded on first use.
+"""
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "embedding": "jaxembed.ops",
+    "plan_embedding": "jaxembed.plan",
+    "EmbeddingPlan": "jaxembed.plan",
+}
+
+__all__ = ["EmbeddingPlan", "__version__", "embedding", "plan_embedding"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'jaxembed' has no attribute {name!r}")

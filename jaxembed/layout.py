@@ -1,0 +1,223 @@
+"""The layout bridge: Paddle-style dims mappings and partial dims <-> `PartitionSpec`.
+
+A *dims mapping* has one entry per tensor axis: `-1` when the axis is replicated, the index
+of the mesh axis that splits it, or a tuple of mesh-axis indices (major first) when several
+mesh axes split it together. *Partial dims* are the mesh axes along which every shard holds
+a partial sum; JAX spells them `PartitionSpec(..., unreduced={...})`.
+
+Examples:
+  >>> from jax.sharding import PartitionSpec as P
+  >>> from jaxembed.layout import to_partition_spec, to_dims_mapping
+  >>> to_partition_spec((1, -1), ("data", "model"))
+  PartitionSpec('model', None)
+  >>> to_partition_spec(((0, 1), -1), ("data", "model"), partial_dims={0})
+  PartitionSpec(('data', 'model'), None, unreduced={'data'})
+  >>> to_dims_mapping(P(None, "data"), ("data", "model"), ndim=2)
+  (-1, 0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # jax is imported lazily so that `jaxembed.rules` stays importable without it
+    from jax.sharding import PartitionSpec
+
+__all__ = [
+    "DimsEntry",
+    "DimsMapping",
+    "axis_names_of",
+    "normalize_entry",
+    "entry_mesh_axes",
+    "to_dims_mapping",
+    "to_partial_dims",
+    "to_partition_spec",
+]
+
+DimsEntry = int | tuple[int, ...]
+"""One tensor axis: `-1`, a mesh-axis index, or a tuple of mesh-axis indices (major first)."""
+DimsMapping = tuple[DimsEntry, ...]
+
+
+def axis_names_of(mesh_or_axis_names: Any) -> tuple[str, ...]:
+    """The mesh's axis names, from a `Mesh`, an `AbstractMesh` or a sequence of names."""
+    names = getattr(mesh_or_axis_names, "axis_names", mesh_or_axis_names)
+    if isinstance(names, str) or not isinstance(names, Iterable):
+        raise TypeError(
+            f"expected a jax.sharding.Mesh or a sequence of mesh axis names, got {names!r}"
+        )
+    names = tuple(names)
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"mesh axis names must be strings, got {names!r}")
+    return names
+
+
+def normalize_entry(entry: Any) -> DimsEntry:
+    """`-1`, an int, or a tuple of ints; one-element tuples become ints, `()` becomes `-1`."""
+    if isinstance(entry, bool):
+        raise TypeError(f"a dims mapping entry must be an int or a tuple of ints, got {entry!r}")
+    if isinstance(entry, int):
+        if entry < -1:
+            raise ValueError(f"a dims mapping entry must be -1 or a mesh axis index, got {entry}")
+        return entry
+    if isinstance(entry, Sequence) and not isinstance(entry, str):
+        axes = tuple(normalize_entry(e) for e in entry)
+        if any(not isinstance(a, int) or a < 0 for a in axes):
+            raise ValueError(
+                f"a tuple entry of a dims mapping lists mesh axis indices >= 0, got {entry!r}"
+            )
+        if len(axes) == 0:
+            return -1
+        return axes[0] if len(axes) == 1 else axes
+    raise TypeError(f"a dims mapping entry must be an int or a tuple of ints, got {entry!r}")
+
+
+def entry_mesh_axes(entry: DimsEntry) -> tuple[int, ...]:
+    """The mesh axes an entry uses, major first: `-1 -> ()`, `1 -> (1,)`, `(0, 1) -> (0, 1)`."""
+    if isinstance(entry, tuple):
+        return entry
+    return () if entry == -1 else (entry,)
+
+
+def _check_no_repeats(axes: list[int], names: tuple[str, ...], what: Any) -> None:
+    seen = set()
+    for a in axes:
+        if a in seen:
+            raise ValueError(
+                f"mesh axis {names[a]!r} is used twice in {what!r}: a mesh axis can split at "
+                "most one axis of a tensor"
+            )
+        seen.add(a)
+
+
+def to_partition_spec(
+    dims_mapping: Sequence[Any],
+    mesh_or_axis_names: Any,
+    partial_dims: Iterable[int] = (),
+) -> PartitionSpec:
+    """Translates a dims mapping (and partial dims) into a `PartitionSpec`.
+
+    Args:
+      dims_mapping: one entry per tensor axis: `-1`, a mesh-axis index, or a tuple of them.
+      mesh_or_axis_names: a `Mesh` or the mesh's axis names, in order.
+      partial_dims: mesh-axis indices holding partial sums (`unreduced` in the spec).
+
+    Returns:
+      A `PartitionSpec` with one entry per tensor axis.
+
+    Raises:
+      ValueError: a mesh index out of range, or a mesh axis used twice.
+    """
+    names = axis_names_of(mesh_or_axis_names)
+    entries = [normalize_entry(e) for e in dims_mapping]
+    used: list[int] = []
+    parts: list[Any] = []
+    for entry in entries:
+        axes = entry_mesh_axes(entry)
+        for a in axes:
+            if a >= len(names):
+                raise ValueError(
+                    f"dims mapping {tuple(dims_mapping)!r} names mesh axis {a}, but the mesh has "
+                    f"{len(names)} axes {names!r}"
+                )
+        used.extend(axes)
+        if not axes:
+            parts.append(None)
+        elif len(axes) == 1:
+            parts.append(names[axes[0]])
+        else:
+            parts.append(tuple(names[a] for a in axes))
+    _check_no_repeats(used, names, tuple(dims_mapping))
+    partial = sorted(set(partial_dims))
+    for a in partial:
+        if not 0 <= a < len(names):
+            raise ValueError(
+                f"partial dim {a} is not a mesh axis index of a mesh with axes {names!r}"
+            )
+        if a in used:
+            raise ValueError(
+                f"mesh axis {names[a]!r} both splits a tensor axis and holds partial sums in "
+                f"dims mapping {tuple(dims_mapping)!r}, partial dims {partial}"
+            )
+    from jax.sharding import PartitionSpec as P
+
+    if partial:
+        return P(*parts, unreduced={names[a] for a in partial})
+    return P(*parts)
+
+
+def _spec_partitions(spec: Any) -> tuple[Any, ...]:
+    from jax.sharding import PartitionSpec as P
+
+    if isinstance(spec, P):
+        return tuple(spec.partitions) if hasattr(spec, "partitions") else tuple(spec)
+    if spec is None:
+        return ()
+    if isinstance(spec, tuple | list):
+        return tuple(spec)
+    raise TypeError(f"expected a PartitionSpec, got {spec!r}")
+
+
+def to_dims_mapping(spec: Any, mesh_or_axis_names: Any, ndim: int) -> DimsMapping:
+    """Translates a `PartitionSpec` into a dims mapping of length `ndim`.
+
+    A spec shorter than the tensor's rank leaves the remaining axes replicated.
+
+    Args:
+      spec: a `PartitionSpec` (or `None` for fully replicated).
+      mesh_or_axis_names: a `Mesh` or the mesh's axis names, in order.
+      ndim: the tensor's rank.
+
+    Returns:
+      A tuple of `ndim` entries.
+
+    Raises:
+      ValueError: an unknown mesh axis name, a mesh axis used twice, a spec longer than `ndim`.
+    """
+    names = axis_names_of(mesh_or_axis_names)
+    parts = _spec_partitions(spec)
+    if len(parts) > ndim:
+        raise ValueError(
+            f"PartitionSpec {spec!r} has {len(parts)} entries but the tensor has rank {ndim}: "
+            "a spec can name at most one entry per tensor axis"
+        )
+    used: list[int] = []
+    mapping: list[DimsEntry] = []
+    for part in parts:
+        if part is None:
+            mapping.append(-1)
+            continue
+        if not isinstance(part, str | tuple | list):  # PartitionSpec.UNCONSTRAINED
+            raise ValueError(
+                f"PartitionSpec {spec!r} has an UNCONSTRAINED entry; jaxembed needs a concrete "
+                "layout (use None for a replicated axis)"
+            )
+        group = (part,) if isinstance(part, str) else tuple(part)
+        axes = []
+        for name in group:
+            if name not in names:
+                raise ValueError(
+                    f"PartitionSpec {spec!r} names mesh axis {name!r}, which is not one of the "
+                    f"mesh's axes {names!r}"
+                )
+            axes.append(names.index(name))
+        used.extend(axes)
+        mapping.append(normalize_entry(tuple(axes)))
+    _check_no_repeats(used, names, spec)
+    return tuple(mapping) + (-1,) * (ndim - len(parts))
+
+
+def to_partial_dims(spec: Any, mesh_or_axis_names: Any) -> frozenset[int]:
+    """The mesh-axis indices named in the spec's `unreduced` set."""
+    names = axis_names_of(mesh_or_axis_names)
+    unreduced = getattr(spec, "unreduced", frozenset()) or frozenset()
+    out = set()
+    for name in unreduced:
+        if name not in names:
+            raise ValueError(
+                f"PartitionSpec {spec!r} names unreduced mesh axis {name!r}, which is not one of "
+                f"the mesh's axes {names!r}"
+            )
+        out.add(names.index(name))
+    return frozenset(out)

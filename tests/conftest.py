@@ -1,0 +1,36 @@
+"""Test fixtures. Every test runs on 8 CPU devices.
+
+The device count is set in the repository's root `conftest.py`, which pytest loads before
+this file and before any module that imports jax; it is checked again here so that a test
+run from another root fails loudly instead of running on one device.
+"""
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+assert len(jax.devices()) == 8, (
+    "tests need 8 CPU devices: set XLA_FLAGS=--xla_force_host_platform_device_count=8 "
+    "before jax is imported (the repository's conftest.py does this)"
+)
+
+
+@pytest.fixture(params=[AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def axis_type(request):
+    return request.param
+
+
+@pytest.fixture
+def mesh_2x4(axis_type):
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2)
+
+
+@pytest.fixture
+def mesh_8(axis_type):
+    return jax.make_mesh((8,), ("model",), axis_types=(axis_type,))
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
