@@ -13,6 +13,7 @@ so the weight gradient is born in the table's layout and no plan gathers the tab
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import jax
@@ -165,7 +166,7 @@ def _lookup_bwd(plan, mesh, ids, out_grad):
     grad_spec = plan.body_out_spec
     if plan.unreduced_axes:  # the cotangent of an unreduced output is reduced over them
         grad_spec = grad_spec.to_ct_spec()
-        out_grad = _move(out_grad, mesh, grad_spec)
+    out_grad = _move(out_grad, mesh, grad_spec)  # a no-op when it arrives in the out layout
     bwd = _shard_map(_backward_body, plan, mesh, (plan.ids_spec, grad_spec), plan.weight_spec)
     return None, bwd(ids, out_grad)
 
@@ -296,6 +297,14 @@ def embedding(
         return _dense_lookup(x, weight, plan_vocab, padding_idx)
     given_weight_spec = spec_of(weight, mesh)
     if weight_spec is None:
+        if isinstance(weight, jax.core.Tracer) and not _is_explicit(mesh) and mesh.size > 1:
+            warnings.warn(
+                "embedding() is traced in an Auto mesh without weight_spec: a traced table "
+                "does not carry its layout there, so it is taken as replicated and XLA may "
+                "gather it. Pass weight_spec=PartitionSpec(...) (the Flax modules do), or use "
+                "an Explicit mesh.",
+                stacklevel=2,
+            )
         weight_spec = given_weight_spec
     elif _is_explicit(mesh) and _normalize(given_weight_spec, 2) != _normalize(weight_spec, 2):
         raise ValueError(

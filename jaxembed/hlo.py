@@ -1,0 +1,459 @@
+"""Collectives read out of compiled HLO text, with the bytes they move.
+
+`collectives` walks every instruction line of an HLO module (the text of
+`jax.jit(f).lower(...).compile().as_text()`), in every computation, and returns one
+`Collective` per all-reduce, reduce-scatter, all-gather, all-to-all or collective-permute.
+An asynchronous pair (`all-gather-start` / `all-gather-done`, or an `async-start` wrapper
+printed as `reduce-scatter-start`) counts once, at its start. Replica groups come back as
+explicit partition ids whichever way XLA spelled them: `{{0,1},{2,3}}`, the iota form
+`[4,2]<=[2,4]T(1,0)`, or the mesh form `mesh['x'=2,'y'=4] {'y'}`.
+
+Bytes are per device. Wire bytes follow the ring model of DESIGN.md, with n the group size
+and N the result bytes: all-reduce 2(n-1)/n·N, reduce-scatter (n-1)·N, all-gather and
+all-to-all (n-1)/n·N, collective-permute N.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["KINDS", "Collective", "collectives", "compiled_hlo", "largest_collective",
+           "mesh_axes", "summarize", "total_wire_bytes"]
+
+KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+
+_BITS = {"pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
+         "f16": 16, "bf16": 16, "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64,
+         "f64": 64, "c64": 64, "c128": 128, "token": 0, "opaque": 0}
+
+_INSTRUCTION = re.compile(r"\s*(?:ROOT\s+)?%?(?P<name>[^\s=%(]+)\s*=\s*(?P<rest>\S.*)")
+_OPCODE = re.compile(r"\s*(?P<opcode>[a-z][\w\-]*)\(")
+_ARRAY = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[^\]]*)\](?:\{[^}]*\})?")
+_EXPLICIT = re.compile(r"\{(?:\{\d+(?:,\d+)*\}(?:,\{\d+(?:,\d+)*\})*)?\}")
+_IOTA = re.compile(r"\[(\d+),(\d+)\]<=\[(\d+(?:,\d+)*)\](?:T\((\d+(?:,\d+)*)\))?")
+_MESH = re.compile(r"mesh\[(?P<axes>[^\]]*)\]"
+                   r"(?:,\s*device_ids=\((?P<ids>\[[\d,]+\](?:T\([\d,]+\))?|[\d,]+)\))?"
+                   r"\s*\{(?P<grouped>[^}]*)\}")
+_MESH_AXIS = re.compile(r"'?(?P<name>[^',=\s]+)'?=(?P<size>\d+)")
+_AXIS_REF = re.compile(r"'?(?P<name>[^':,]+)'?(?::\((?P<pre>\d+)\)(?P<size>\d+))?")
+
+Groups = tuple[tuple[int, ...], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of a compiled program, with its bytes on one device.
+
+    Attributes:
+        kind: 'all-reduce', 'reduce-scatter', 'all-gather', 'all-to-all' or
+            'collective-permute'; an async `-start` is reported under its plain kind.
+        name: the HLO instruction name.
+        dtype: element type of the result, e.g. 'f32' (the first array's, for a tuple).
+        result_shape: one dims tuple per array of the result (a combined op has several).
+        result_bytes: bytes of the result, summed over its arrays.
+        operand_bytes: bytes of the operands, summed.
+        replica_groups: the groups as explicit partition ids; for a collective-permute,
+            its (source, target) pairs.
+        group_size: devices per group; for a collective-permute, the distinct devices
+            named by its pairs.
+        wire_bytes: bytes one device sends, ring model.
+    """
+
+    kind: str
+    name: str
+    dtype: str
+    result_shape: tuple[tuple[int, ...], ...]
+    result_bytes: int
+    operand_bytes: int
+    replica_groups: Groups
+    group_size: int
+    wire_bytes: float
+
+
+def collectives(hlo_text: str, *, num_devices: int | None = None) -> list[Collective]:
+    """Lists the collectives of an HLO module in the order they appear.
+
+    Every computation is read (fusions, while bodies, async wrappers); only instruction
+    lines are parsed. A `-done` op is skipped: its `-start` is the collective. Operand
+    shapes are read inline when printed, else from the operands' own instruction lines.
+
+    Args:
+        hlo_text: HLO module text, e.g. `jax.jit(f).lower(x).compile().as_text()`.
+        num_devices: how many devices `replica_groups={}` (or no groups) spans; by
+            default the header's `num_partitions`, or its `replica_count` when that is 1.
+
+    Returns:
+        One `Collective` per collective instruction.
+
+    Raises:
+        ValueError: a replica-group or shape spelling this parser does not know, or
+            all-device groups in a text without a header; the message quotes the line.
+
+    Examples:
+        >>> (c,) = collectives("%rs = f32[2,128]{1,0} reduce-scatter(f32[8,128]{1,0} %x), "
+        ...                    "replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}")
+        >>> c.replica_groups, c.operand_bytes, c.result_bytes, c.wire_bytes
+        (((0, 2, 4, 6), (1, 3, 5, 7)), 4096, 1024, 3072.0)
+    """
+    header = re.search(r"^HloModule\b.*$", hlo_text, re.MULTILINE)
+    if num_devices is None and header:
+        partitions = re.search(r"\bnum_partitions=(\d+)", header.group())
+        replicas = re.search(r"\breplica_count=(\d+)", header.group())
+        num_devices = int(partitions.group(1)) if partitions else 1
+        if num_devices == 1 and replicas:
+            num_devices = int(replicas.group(1))
+    shapes: dict[str, str] = {}  # instruction name -> the text of its result shape
+    found = []
+    for line in hlo_text.splitlines():
+        instruction = _INSTRUCTION.fullmatch(line)
+        if instruction is None:
+            continue
+        name, rest = instruction.group("name", "rest")
+        shapes[name] = shape_text = _balanced(rest) if rest.startswith("(") else rest.split()[0]
+        opcode = _OPCODE.match(rest, len(shape_text))
+        if opcode is None:
+            continue
+        kind = opcode.group("opcode").removesuffix("-start")
+        if kind in KINDS:
+            is_start = kind != opcode.group("opcode")
+            operands = _balanced(rest[opcode.end() - 1:])
+            attrs = rest[opcode.end() - 1 + len(operands):]
+            found.append(_collective(kind, is_start, name, shape_text, operands[1:-1], attrs,
+                                     line, shapes, num_devices))
+    return found
+
+
+def total_wire_bytes(hlo_text: str) -> float:
+    """Sums `wire_bytes` over the collectives of an HLO module.
+
+    Args:
+        hlo_text: HLO module text.
+
+    Returns:
+        Bytes one device sends in one run of the module; 0.0 when it has no collectives.
+
+    Examples:
+        >>> total_wire_bytes("%t = f32[8]{0} add(f32[8]{0} %a, f32[8]{0} %b)")
+        0.0
+    """
+    return float(sum(c.wire_bytes for c in collectives(hlo_text)))
+
+
+def largest_collective(hlo_text: str) -> Collective | None:
+    """Returns the collective with the most `result_bytes` (the first one on a tie).
+
+    Args:
+        hlo_text: HLO module text.
+
+    Returns:
+        That `Collective`, or None when the module has none.
+
+    Examples:
+        >>> largest_collective("%t = f32[8]{0} add(f32[8]{0} %a, f32[8]{0} %b)") is None
+        True
+    """
+    return max(collectives(hlo_text), key=lambda c: c.result_bytes, default=None)
+
+
+def mesh_axes(collective: Collective, mesh: Any) -> tuple[str, ...]:
+    """Names the mesh axes that a collective's replica groups span.
+
+    Partition id p is position p of `mesh.devices.flat`, row-major over
+    `mesh.axis_names`, whatever the device ids are. An axis is spanned when its
+    coordinate varies inside some group (inside some pair, for a collective-permute).
+
+    Args:
+        collective: a `Collective` of a program compiled over `mesh`.
+        mesh: a `jax.sharding.Mesh` or `jax.sharding.AbstractMesh`.
+
+    Returns:
+        The spanned axis names, in `mesh.axis_names` order.
+
+    Raises:
+        ValueError: a partition id outside the mesh.
+
+    Examples:
+        >>> from jax.sharding import AbstractMesh
+        >>> (c,) = collectives("%a = f32[4]{0} all-reduce(f32[4]{0} %p), "
+        ...                    "replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add")
+        >>> mesh_axes(c, AbstractMesh((2, 4), ("data", "model")))
+        ('data',)
+    """
+    names = tuple(mesh.axis_names)
+    sizes = tuple(mesh.shape[name] for name in names)
+    spanned: set[int] = set()
+    for group in collective.replica_groups:
+        if not all(0 <= p < math.prod(sizes) for p in group):
+            raise ValueError(
+                f"{collective.kind} {collective.name!r} has group {group}, outside the "
+                f"{math.prod(sizes)} partitions of mesh {dict(zip(names, sizes, strict=True))}"
+            )
+        coords = np.unravel_index(np.asarray(group, dtype=np.int64), sizes)
+        spanned.update(i for i, c in enumerate(coords) if np.unique(c).size > 1)
+    return tuple(names[i] for i in sorted(spanned))
+
+
+def compiled_hlo(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
+    """Compiles `fn` for the given arguments and returns the optimized HLO text.
+
+    Args:
+        fn: a function, or one already wrapped by `jax.jit` (its jit options are kept).
+        *args: arguments, or `jax.ShapeDtypeStruct`s, to lower for.
+        **kwargs: keyword arguments to lower for.
+
+    Returns:
+        `jax.jit(fn).lower(*args, **kwargs).compile().as_text()`.
+
+    Examples:
+        >>> import jax.numpy as jnp
+        >>> collectives(compiled_hlo(lambda x: 2 * x, jnp.ones(4)))
+        []
+    """
+    import jax  # lazily: parsing HLO text needs no jax
+
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    return jitted.lower(*args, **kwargs).compile().as_text()
+
+
+def summarize(hlo_text: str, mesh: Any = None) -> str:
+    """Renders the collectives of an HLO module as a table, with a total row.
+
+    Args:
+        hlo_text: HLO module text.
+        mesh: the mesh the module was compiled over; adds a column of spanned mesh axes.
+
+    Returns:
+        One row per collective (kind, mesh axes, dtype[shape], result bytes, wire bytes;
+        a tuple result shows each array's dims, `f32[8,128],[4]`) and a row of totals.
+
+    Examples:
+        >>> print(summarize("%g = bf16[8,4]{1,0} all-gather(bf16[2,4]{1,0} %p), "
+        ...                 "replica_groups={{0,1,2,3}}, dimensions={0}"))
+        kind        shape      result_bytes  wire_bytes
+        all-gather  bf16[8,4]            64          48
+        total                            64          48
+    """
+    found = collectives(hlo_text)
+    head = ["kind", *(["mesh_axes"] if mesh is not None else []), "shape", "result_bytes",
+            "wire_bytes"]
+    rows = [head]
+    for c in found:
+        axes = [",".join(mesh_axes(c, mesh)) or "-"] if mesh is not None else []
+        shape = c.dtype + ",".join(f"[{','.join(map(str, dims))}]" for dims in c.result_shape)
+        rows.append([c.kind, *axes, shape, _number(c.result_bytes), _number(c.wire_bytes)])
+    rows.append(["total", *[""] * (len(head) - 3), _number(sum(c.result_bytes for c in found)),
+                 _number(sum(c.wire_bytes for c in found))])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    numeric = len(head) - 2  # the byte columns align right
+    return "\n".join(
+        "  ".join(cell.rjust(w) if i >= numeric else cell.ljust(w)
+                  for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+        for row in rows
+    )
+
+
+def _collective(kind: str, is_start: bool, name: str, shape_text: str, operands: str,
+                attrs: str, line: str, shapes: dict[str, str],
+                num_devices: int | None) -> Collective:
+    """Builds the `Collective` of one instruction line."""
+    result, operand = shape_text, None
+    elements = _elements(shape_text)
+    if is_start and kind != "all-reduce" and len(elements) >= 2:
+        # (operands, outputs[, contexts]) for all-gather-start, collective-permute-start and
+        # the async wrappers reduce-scatter-start / all-to-all-start. all-reduce-start's
+        # result is its output alone.
+        operand, result = elements[0], elements[1]
+    arrays = _arrays(result, line)
+    result_bytes = _nbytes(arrays, line)
+    if kind == "collective-permute":
+        groups = _explicit(_attribute(attrs, "source_target_pairs") or "{}", line)
+        group_size = len({device for pair in groups for device in pair})
+        moves = any(source != target for source, target in groups)
+        wire = float(result_bytes) if moves else 0.0
+    else:
+        groups = _replica_groups(_attribute(attrs, "replica_groups"), line, num_devices)
+        group_size = len(groups[0])
+        wire = _wire_bytes(kind, group_size, result_bytes)
+    if operand is not None:
+        operand_bytes = _nbytes(_arrays(operand, line), line)
+    else:
+        operand_bytes = _operand_bytes(operands, shapes, line)
+    if operand_bytes is None:  # an operand defined outside the text we were given
+        scale = {"reduce-scatter": group_size, "all-gather": 1 / group_size}.get(kind, 1)
+        operand_bytes = round(result_bytes * scale)
+    return Collective(kind=kind, name=name, dtype=arrays[0][0],
+                      result_shape=tuple(dims for _, dims in arrays),
+                      result_bytes=result_bytes, operand_bytes=operand_bytes,
+                      replica_groups=groups, group_size=group_size, wire_bytes=wire)
+
+
+def _wire_bytes(kind: str, n: int, result_bytes: int) -> float:
+    """Ring-model bytes that one device sends for a collective over a group of n."""
+    if n <= 1:
+        return 0.0
+    factor = {"all-reduce": 2 * (n - 1) / n, "reduce-scatter": n - 1,
+              "all-gather": (n - 1) / n, "all-to-all": (n - 1) / n}[kind]
+    return float(factor * result_bytes)
+
+
+def _replica_groups(text: str | None, line: str, num_devices: int | None) -> Groups:
+    """Expands a `replica_groups=` value (explicit, iota or mesh form) to explicit groups."""
+    if text is None or text == "{}":
+        if num_devices is None:
+            raise ValueError(
+                "the replica groups span all devices, but the text has no 'HloModule ... "
+                "num_partitions=N' header to count them: pass collectives(hlo_text, "
+                f"num_devices=N). Line: {line.strip()}")
+        return (tuple(range(num_devices)),)
+    if text.startswith("{"):
+        return _explicit(text, line)
+    try:
+        if iota := _IOTA.fullmatch(text):
+            num_groups, group_size, dims, perm = iota.groups()
+            return _rows(_iota(dims, perm).reshape(int(num_groups), int(group_size)))
+        if mesh := _MESH.fullmatch(text):
+            return _mesh_groups(mesh)
+    except (KeyError, ValueError) as err:  # sizes that do not multiply up, a bad axis
+        raise ValueError(f"cannot expand replica_groups={text}: {err}. "
+                         f"Line: {line.strip()}") from err
+    raise ValueError(
+        f"cannot parse replica_groups={text}: expected explicit groups like {{{{0,1}},{{2,3}}}}, "
+        f"the iota form [2,2]<=[4], or the mesh form mesh['x'=2,'y'=2] {{'y'}}. "
+        f"Line: {line.strip()}")
+
+
+def _mesh_groups(match: re.Match[str]) -> Groups:
+    """Groups of the mesh form: the devices that vary along the listed (sub-)axes.
+
+    As in XLA's MeshAxesReplicaGroupList, a sub-axis `'x':(pre)size` cuts mesh axis x
+    into [pre, size, rest] (major first); the grouped pieces move last, in the listed
+    order, and each row of the reshaped device array is one group.
+    """
+    axes = _MESH_AXIS.findall(match.group("axes"))
+    names, sizes = [name for name, _ in axes], [int(size) for _, size in axes]
+    ids = match.group("ids")
+    if ids is None:
+        devices = np.arange(math.prod(sizes))
+    elif ids.startswith("["):
+        dims, _, perm = ids[1:].partition("]")
+        devices = _iota(dims, perm[2:-1] or None).ravel()
+    else:
+        devices = np.array([int(i) for i in ids.split(",")])
+    refs = []  # (mesh axis index, pre-size, size) per listed axis; pre-size 1 for a full axis
+    for item in filter(None, (s.strip() for s in match.group("grouped").split(","))):
+        ref = _AXIS_REF.fullmatch(item)
+        if ref is None or ref.group("name") not in names:
+            raise ValueError(f"axis {item} is not one of the mesh axes {names}")
+        axis = names.index(ref.group("name"))
+        pre, size = int(ref.group("pre") or 1), int(ref.group("size") or sizes[axis])
+        refs.append((axis, pre, size))
+    pieces: list[int] = []
+    index: dict[tuple[int, int], int] = {}  # (mesh axis, pre-size) -> piece
+    for axis, size in enumerate(sizes):
+        cuts = sorted({1, size} | {c for a, p, s in refs if a == axis for c in (p, p * s)})
+        for low, high in zip(cuts, cuts[1:] or cuts, strict=False):
+            index[axis, low] = len(pieces)
+            pieces.append(high // low)
+    grouped = [index[axis, pre] for axis, pre, _ in refs]
+    order = [i for i in range(len(pieces)) if i not in grouped] + grouped
+    group_size = math.prod(size for _, _, size in refs)
+    return _rows(devices.reshape(pieces).transpose(order).reshape(-1, group_size))
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    """`iota(prod(dims))` reshaped to `dims`, then transposed by `perm` when given."""
+    shape = [int(d) for d in dims.split(",")]
+    array = np.arange(math.prod(shape)).reshape(shape)
+    return array.transpose([int(p) for p in perm.split(",")]) if perm else array
+
+
+def _rows(array: np.ndarray) -> Groups:
+    return tuple(tuple(int(v) for v in row) for row in array)
+
+
+def _explicit(text: str, line: str) -> Groups:
+    """Parses `{{0,1},{2,3}}`: replica groups, or the pairs of `source_target_pairs`."""
+    if not _EXPLICIT.fullmatch(text):
+        raise ValueError(f"cannot parse device groups {text}. Line: {line.strip()}")
+    return tuple(tuple(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", text))
+
+
+def _attribute(attrs: str, key: str) -> str | None:
+    """The value of `key=` in an attribute list: up to its first top-level comma."""
+    found = re.search(rf"(?:^|[\s,]){key}=", attrs)
+    if found is None:
+        return None
+    if mesh := _MESH.match(attrs, found.end()):  # its device_ids part has a comma
+        return mesh.group()
+    depth = 0
+    for i in range(found.end(), len(attrs)):
+        depth += (attrs[i] in "{[(") - (attrs[i] in "}])")
+        if depth == 0 and attrs[i] == ",":
+            return attrs[found.end():i].strip()
+    return attrs[found.end():].strip()
+
+
+def _balanced(text: str) -> str:
+    """The prefix of `text` up to the `)` that closes its leading `(`."""
+    depth = 0
+    for i, char in enumerate(text):
+        depth += (char == "(") - (char == ")")
+        if depth == 0:
+            return text[:i + 1]
+    return text
+
+
+def _elements(shape: str) -> list[str]:
+    """The top-level elements of a tuple shape `(a, (b, c), u32[])`; `[shape]` for an array."""
+    if not shape.startswith("("):
+        return [shape]
+    elements, depth, start = [], 0, 1
+    for i, char in enumerate(shape):
+        depth += (char in "([{") - (char in ")]}")
+        if depth == 0 or (depth == 1 and char == ","):
+            elements.append(shape[start:i].strip())
+            start = i + 1
+        if depth == 0:
+            break
+    return [e for e in elements if e]
+
+
+def _arrays(text: str, line: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The `(dtype, dims)` of every array spelled in `text`; a dynamic dim counts at its bound."""
+    arrays = [(a["dtype"], tuple(int(d.strip().removeprefix("<=")) for d in a["dims"].split(",")
+                                 if d.strip())) for a in _ARRAY.finditer(text)]
+    if not arrays:
+        raise ValueError(f"cannot parse the shape {text!r}. Line: {line.strip()}")
+    return arrays
+
+
+def _nbytes(arrays: list[tuple[str, tuple[int, ...]]], line: str) -> int:
+    """Bytes of some arrays; sub-byte types (s4, f4e2m1fn) round up to whole bytes."""
+    total = 0
+    for dtype, dims in arrays:
+        small_float = re.fullmatch(r"f([48])e\d+m\d+\w*", dtype)  # f8e4m3fn, f4e2m1fn
+        if dtype not in _BITS and not small_float:
+            raise ValueError(f"unknown element type {dtype!r}. Line: {line.strip()}")
+        bits = _BITS[dtype] if dtype in _BITS else int(small_float.group(1))
+        total += -(-math.prod(dims) * bits // 8)
+    return total
+
+
+def _operand_bytes(operands: str, shapes: dict[str, str], line: str) -> int | None:
+    """Operand bytes from inline operand shapes, else from the operands' own lines."""
+    if _ARRAY.search(operands):
+        return _nbytes(_arrays(operands, line), line)
+    names = re.findall(r"%?([\w.\-]+)", operands)
+    if not all(name in shapes for name in names):
+        return None
+    return sum(_nbytes(_arrays(shapes[name], line), line) for name in names)
+
+
+def _number(value: float) -> str:
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:,.2f}"
