@@ -363,6 +363,7 @@ def _plan_cached(
         "use a hidden size that is a multiple of {n}, or do not split the hidden axis.",
     )  # fmt: skip
     table_axes = set(row_axes) | set(hidden_axes)
+    x_spec = P(*(_spec_entry(e) for e in x_dm))  # normalized: one entry per ids axis
 
     # The output's layout: requested, or the ids' layout with the table's hidden split.
     n = len(x_shape)

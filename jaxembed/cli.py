@@ -1,0 +1,163 @@
+"""The `jaxembed` command: `plan`, `demo` and `bench`.
+
+A thin shell: flags are parsed here and handed to the same typed functions a Python user
+calls (`plan_embedding`, `jaxembed.demo.run`, `jaxembed.bench.main`).
+
+    jaxembed plan --mesh data=2,model=4 --ids 16x128 --table 65536x128 \\
+                  --ids-spec data --table-spec model,None
+    jaxembed demo
+    jaxembed bench --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main", "parse_mesh", "parse_shape", "parse_spec"]
+
+
+def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """`"data=2,model=4"` -> `(("data", "model"), (2, 4))`."""
+    names, sizes = [], []
+    for part in text.split(","):
+        name, eq, size = part.partition("=")
+        if not eq or not name or not size.isdigit() or int(size) < 1:
+            raise argparse.ArgumentTypeError(
+                f"--mesh takes name=size pairs separated by commas, like data=2,model=4; "
+                f"got {text!r}"
+            )
+        names.append(name.strip())
+        sizes.append(int(size))
+    return tuple(names), tuple(sizes)
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """`"16x128"` -> `(16, 128)`; `""` or `"scalar"` -> `()`."""
+    if text in ("", "scalar"):
+        return ()
+    try:
+        shape = tuple(int(d) for d in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or any(d < 1 for d in shape):
+        raise argparse.ArgumentTypeError(f"a shape is sizes joined by 'x', like 16x128; got {text!r}")
+    return shape
+
+
+def parse_spec(text: str | None):
+    """`"model,None"` -> `P("model", None)`; `"data+model,None"` -> `P(("data", "model"), None)`.
+
+    An empty string or `replicated` is `P()`.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    if text is None or text in ("", "replicated"):
+        return P()
+    entries = []
+    for part in text.split(","):
+        part = part.strip()
+        if part in ("None", "none", "-", ""):
+            entries.append(None)
+        elif "+" in part:
+            entries.append(tuple(p.strip() for p in part.split("+")))
+        else:
+            entries.append(part)
+    return P(*entries)
+
+
+def _add_plan_parser(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="print the plan of a sharded lookup: layouts, collectives, bytes, memory",
+        description="Print the EmbeddingPlan that jaxembed.embedding runs for a mesh, shapes "
+        "and layouts. Specs are comma-separated entries: a mesh axis name, None, or names "
+        "joined by '+' for an axis split over several mesh axes (major first).",
+    )
+    p.add_argument("--mesh", type=parse_mesh, required=True, help="e.g. data=2,model=4")
+    p.add_argument("--ids", type=parse_shape, required=True, help="ids shape, e.g. 16x128")
+    p.add_argument("--table", type=parse_shape, required=True, help="table shape, e.g. 65536x128")
+    p.add_argument("--ids-spec", default=None, help="e.g. data (default: replicated)")
+    p.add_argument("--table-spec", default=None, help="e.g. model,None (default: replicated)")
+    p.add_argument("--out-spec", default=None, help="e.g. data,model,None (default: derived)")
+    p.add_argument("--out-unreduced", default="", help="row axes to leave unreduced, e.g. model")
+    p.add_argument("--vocab-size", type=int, default=None, help="real rows of a padded table")
+    p.add_argument("--padding-idx", type=int, default=None)
+    p.add_argument("--dtype", default="float32", help="table dtype (float32, bfloat16)")
+    p.add_argument("--exchange", choices=("auto", "dense", "rows"), default="auto",
+                   help="gradient exchange")  # fmt: skip
+    p.add_argument("--axis-types", choices=("explicit", "auto"), default="explicit")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+    from jax.sharding import AbstractMesh, AxisType
+    from jax.sharding import PartitionSpec as P
+
+    from jaxembed.plan import plan_embedding
+
+    names, sizes = args.mesh
+    axis_type = AxisType.Explicit if args.axis_types == "explicit" else AxisType.Auto
+    mesh = AbstractMesh(sizes, names, axis_types=(axis_type,) * len(names))
+    out_spec = None
+    if args.out_spec is not None or args.out_unreduced:
+        base = parse_spec(args.out_spec)
+        unreduced = {a for a in args.out_unreduced.split(",") if a}
+        out_spec = P(*base.partitions, unreduced=unreduced) if unreduced else base
+    try:
+        plan = plan_embedding(
+            mesh, args.ids, args.table, x_spec=parse_spec(args.ids_spec),
+            weight_spec=parse_spec(args.table_spec), out_spec=out_spec,
+            padding_idx=args.padding_idx, vocab_size=args.vocab_size,
+            dtype=jnp.dtype(args.dtype), gradient_exchange=args.exchange,
+        )  # fmt: skip
+    except (TypeError, ValueError) as e:
+        print(f"jaxembed plan: error: {e}", file=sys.stderr)
+        return 2
+    print(plan)
+    return 0
+
+
+def _ensure_cpu_devices(count: int) -> None:
+    """Asks XLA for `count` CPU devices; must run before jax is imported."""
+    if "jax" in sys.modules:
+        return
+    flag = f"--xla_force_host_platform_device_count={count}"
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `jaxembed` console script."""
+    parser = argparse.ArgumentParser(
+        prog="jaxembed", description="Sharded embedding lookups for JAX."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_plan_parser(sub)
+    demo = sub.add_parser("demo", help="run the lookup on 8 CPU devices and check it")
+    demo.add_argument("--devices", type=int, default=8, help="CPU devices to simulate")
+    bench = sub.add_parser(
+        "bench", help="benchmark against XLA, Flax and one-hot lookups", add_help=False
+    )
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+
+    if args.command == "plan":
+        return _run_plan(args)
+    if args.command == "demo":
+        _ensure_cpu_devices(args.devices)
+        from jaxembed import demo as demo_module
+
+        return demo_module.run()
+    if args.command == "bench":
+        _ensure_cpu_devices(8)
+        from jaxembed import bench as bench_module
+
+        return bench_module.main(args.bench_args)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
