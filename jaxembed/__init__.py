@@ -15,12 +15,13 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
+    "check_ids": "jaxembed.ops",
     "embedding": "jaxembed.ops",
     "plan_embedding": "jaxembed.plan",
     "EmbeddingPlan": "jaxembed.plan",
 }
 
-__all__ = ["EmbeddingPlan", "__version__", "embedding", "plan_embedding"]
+__all__ = ["EmbeddingPlan", "__version__", "check_ids", "embedding", "plan_embedding"]
 
 
 def __getattr__(name):
