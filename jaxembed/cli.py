@@ -43,7 +43,9 @@ def parse_shape(text: str) -> tuple[int, ...]:
     except ValueError:
         shape = ()
     if not shape or any(d < 1 for d in shape):
-        raise argparse.ArgumentTypeError(f"a shape is sizes joined by 'x', like 16x128; got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"a shape is sizes joined by 'x', like 16x128; got {text!r}"
+        )
     return shape
 
 

@@ -10,6 +10,7 @@ Run it with `jaxembed demo` (which asks XLA for 8 CPU devices before jax starts)
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -78,7 +79,9 @@ def run(vocab: int = VOCAB, hidden: int = HIDDEN, ids_shape=IDS_SHAPE) -> int:
     ref_grad = np.zeros_like(table)
     np.add.at(ref_grad, ids, cotangent)
 
-    print(f"jaxembed demo: table {vocab} x {hidden} float32, ids {ids_shape}, mesh {dict(mesh.shape)}")
+    print(
+        f"jaxembed demo: table {vocab} x {hidden} float32, ids {ids_shape}, mesh {dict(mesh.shape)}"
+    )
     print(f"devices: {len(jax.devices())} x {jax.devices()[0].platform}\n")
     rows, failures = [], 0
     for name, (w_spec, x_spec, out_spec) in LAYOUTS.items():
@@ -90,7 +93,8 @@ def run(vocab: int = VOCAB, hidden: int = HIDDEN, ids_shape=IDS_SHAPE) -> int:
             jax.device_put(table, NamedSharding(mesh, w_spec)),
             jax.device_put(cotangent, NamedSharding(mesh, plan.out_spec)),
         )
-        ours = jax.jit(_step(lambda i, t: embedding(i, t, out_spec=out_spec))).lower(*args).compile()
+        lookup = functools.partial(embedding, out_spec=out_spec)
+        ours = jax.jit(_step(lookup)).lower(*args).compile()
 
         # XLA's own partitioning of jnp.take: the same layouts in an Auto mesh, where the
         # partitioner chooses the collectives (an Explicit mesh rejects this gather).

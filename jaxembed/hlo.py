@@ -23,23 +23,53 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["KINDS", "Collective", "collectives", "compiled_hlo", "largest_collective",
-           "mesh_axes", "summarize", "total_wire_bytes"]
+__all__ = [
+    "KINDS",
+    "Collective",
+    "collectives",
+    "compiled_hlo",
+    "largest_collective",
+    "mesh_axes",
+    "summarize",
+    "total_wire_bytes",
+]
 
 KINDS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 
-_BITS = {"pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
-         "f16": 16, "bf16": 16, "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64,
-         "f64": 64, "c64": 64, "c128": 128, "token": 0, "opaque": 0}
+_BITS = {
+    "pred": 8,
+    "s2": 2,
+    "u2": 2,
+    "s4": 4,
+    "u4": 4,
+    "s8": 8,
+    "u8": 8,
+    "s16": 16,
+    "u16": 16,
+    "f16": 16,
+    "bf16": 16,
+    "s32": 32,
+    "u32": 32,
+    "f32": 32,
+    "s64": 64,
+    "u64": 64,
+    "f64": 64,
+    "c64": 64,
+    "c128": 128,
+    "token": 0,
+    "opaque": 0,
+}
 
 _INSTRUCTION = re.compile(r"\s*(?:ROOT\s+)?%?(?P<name>[^\s=%(]+)\s*=\s*(?P<rest>\S.*)")
 _OPCODE = re.compile(r"\s*(?P<opcode>[a-z][\w\-]*)\(")
 _ARRAY = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[^\]]*)\](?:\{[^}]*\})?")
 _EXPLICIT = re.compile(r"\{(?:\{\d+(?:,\d+)*\}(?:,\{\d+(?:,\d+)*\})*)?\}")
 _IOTA = re.compile(r"\[(\d+),(\d+)\]<=\[(\d+(?:,\d+)*)\](?:T\((\d+(?:,\d+)*)\))?")
-_MESH = re.compile(r"mesh\[(?P<axes>[^\]]*)\]"
-                   r"(?:,\s*device_ids=\((?P<ids>\[[\d,]+\](?:T\([\d,]+\))?|[\d,]+)\))?"
-                   r"\s*\{(?P<grouped>[^}]*)\}")
+_MESH = re.compile(
+    r"mesh\[(?P<axes>[^\]]*)\]"
+    r"(?:,\s*device_ids=\((?P<ids>\[[\d,]+\](?:T\([\d,]+\))?|[\d,]+)\))?"
+    r"\s*\{(?P<grouped>[^}]*)\}"
+)
 _MESH_AXIS = re.compile(r"'?(?P<name>[^',=\s]+)'?=(?P<size>\d+)")
 _AXIS_REF = re.compile(r"'?(?P<name>[^':,]+)'?(?::\((?P<pre>\d+)\)(?P<size>\d+))?")
 
@@ -122,10 +152,21 @@ def collectives(hlo_text: str, *, num_devices: int | None = None) -> list[Collec
         kind = opcode.group("opcode").removesuffix("-start")
         if kind in KINDS:
             is_start = kind != opcode.group("opcode")
-            operands = _balanced(rest[opcode.end() - 1:])
-            attrs = rest[opcode.end() - 1 + len(operands):]
-            found.append(_collective(kind, is_start, name, shape_text, operands[1:-1], attrs,
-                                     line, shapes, num_devices))
+            operands = _balanced(rest[opcode.end() - 1 :])
+            attrs = rest[opcode.end() - 1 + len(operands) :]
+            found.append(
+                _collective(
+                    kind,
+                    is_start,
+                    name,
+                    shape_text,
+                    operands[1:-1],
+                    attrs,
+                    line,
+                    shapes,
+                    num_devices,
+                )
+            )
     return found
 
 
@@ -240,27 +281,48 @@ def summarize(hlo_text: str, mesh: Any = None) -> str:
         total                            64          48
     """
     found = collectives(hlo_text)
-    head = ["kind", *(["mesh_axes"] if mesh is not None else []), "shape", "result_bytes",
-            "wire_bytes"]
+    head = [
+        "kind",
+        *(["mesh_axes"] if mesh is not None else []),
+        "shape",
+        "result_bytes",
+        "wire_bytes",
+    ]
     rows = [head]
     for c in found:
         axes = [",".join(mesh_axes(c, mesh)) or "-"] if mesh is not None else []
         shape = c.dtype + ",".join(f"[{','.join(map(str, dims))}]" for dims in c.result_shape)
         rows.append([c.kind, *axes, shape, _number(c.result_bytes), _number(c.wire_bytes)])
-    rows.append(["total", *[""] * (len(head) - 3), _number(sum(c.result_bytes for c in found)),
-                 _number(sum(c.wire_bytes for c in found))])
+    rows.append(
+        [
+            "total",
+            *[""] * (len(head) - 3),
+            _number(sum(c.result_bytes for c in found)),
+            _number(sum(c.wire_bytes for c in found)),
+        ]
+    )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     numeric = len(head) - 2  # the byte columns align right
     return "\n".join(
-        "  ".join(cell.rjust(w) if i >= numeric else cell.ljust(w)
-                  for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+        "  ".join(
+            cell.rjust(w) if i >= numeric else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
         for row in rows
     )
 
 
-def _collective(kind: str, is_start: bool, name: str, shape_text: str, operands: str,
-                attrs: str, line: str, shapes: dict[str, str],
-                num_devices: int | None) -> Collective:
+def _collective(
+    kind: str,
+    is_start: bool,
+    name: str,
+    shape_text: str,
+    operands: str,
+    attrs: str,
+    line: str,
+    shapes: dict[str, str],
+    num_devices: int | None,
+) -> Collective:
     """Builds the `Collective` of one instruction line."""
     result, operand = shape_text, None
     elements = _elements(shape_text)
@@ -287,18 +349,29 @@ def _collective(kind: str, is_start: bool, name: str, shape_text: str, operands:
     if operand_bytes is None:  # an operand defined outside the text we were given
         scale = {"reduce-scatter": group_size, "all-gather": 1 / group_size}.get(kind, 1)
         operand_bytes = round(result_bytes * scale)
-    return Collective(kind=kind, name=name, dtype=arrays[0][0],
-                      result_shape=tuple(dims for _, dims in arrays),
-                      result_bytes=result_bytes, operand_bytes=operand_bytes,
-                      replica_groups=groups, group_size=group_size, wire_bytes=wire)
+    return Collective(
+        kind=kind,
+        name=name,
+        dtype=arrays[0][0],
+        result_shape=tuple(dims for _, dims in arrays),
+        result_bytes=result_bytes,
+        operand_bytes=operand_bytes,
+        replica_groups=groups,
+        group_size=group_size,
+        wire_bytes=wire,
+    )
 
 
 def _wire_bytes(kind: str, n: int, result_bytes: int) -> float:
     """Ring-model bytes that one device sends for a collective over a group of n."""
     if n <= 1:
         return 0.0
-    factor = {"all-reduce": 2 * (n - 1) / n, "reduce-scatter": n - 1,
-              "all-gather": (n - 1) / n, "all-to-all": (n - 1) / n}[kind]
+    factor = {
+        "all-reduce": 2 * (n - 1) / n,
+        "reduce-scatter": n - 1,
+        "all-gather": (n - 1) / n,
+        "all-to-all": (n - 1) / n,
+    }[kind]
     return float(factor * result_bytes)
 
 
@@ -309,7 +382,8 @@ def _replica_groups(text: str | None, line: str, num_devices: int | None) -> Gro
             raise ValueError(
                 "the replica groups span all devices, but the text has no 'HloModule ... "
                 "num_partitions=N' header to count them: pass collectives(hlo_text, "
-                f"num_devices=N). Line: {line.strip()}")
+                f"num_devices=N). Line: {line.strip()}"
+            )
         return (tuple(range(num_devices)),)
     if text.startswith("{"):
         return _explicit(text, line)
@@ -320,12 +394,14 @@ def _replica_groups(text: str | None, line: str, num_devices: int | None) -> Gro
         if mesh := _MESH.fullmatch(text):
             return _mesh_groups(mesh)
     except (KeyError, ValueError) as err:  # sizes that do not multiply up, a bad axis
-        raise ValueError(f"cannot expand replica_groups={text}: {err}. "
-                         f"Line: {line.strip()}") from err
+        raise ValueError(
+            f"cannot expand replica_groups={text}: {err}. Line: {line.strip()}"
+        ) from err
     raise ValueError(
         f"cannot parse replica_groups={text}: expected explicit groups like {{{{0,1}},{{2,3}}}}, "
         f"the iota form [2,2]<=[4], or the mesh form mesh['x'=2,'y'=2] {{'y'}}. "
-        f"Line: {line.strip()}")
+        f"Line: {line.strip()}"
+    )
 
 
 def _mesh_groups(match: re.Match[str]) -> Groups:
@@ -395,8 +471,8 @@ def _attribute(attrs: str, key: str) -> str | None:
     for i in range(found.end(), len(attrs)):
         depth += (attrs[i] in "{[(") - (attrs[i] in "}])")
         if depth == 0 and attrs[i] == ",":
-            return attrs[found.end():i].strip()
-    return attrs[found.end():].strip()
+            return attrs[found.end() : i].strip()
+    return attrs[found.end() :].strip()
 
 
 def _balanced(text: str) -> str:
@@ -405,7 +481,7 @@ def _balanced(text: str) -> str:
     for i, char in enumerate(text):
         depth += (char == "(") - (char == ")")
         if depth == 0:
-            return text[:i + 1]
+            return text[: i + 1]
     return text
 
 
@@ -426,8 +502,13 @@ def _elements(shape: str) -> list[str]:
 
 def _arrays(text: str, line: str) -> list[tuple[str, tuple[int, ...]]]:
     """The `(dtype, dims)` of every array spelled in `text`; a dynamic dim counts at its bound."""
-    arrays = [(a["dtype"], tuple(int(d.strip().removeprefix("<=")) for d in a["dims"].split(",")
-                                 if d.strip())) for a in _ARRAY.finditer(text)]
+    arrays = [
+        (
+            a["dtype"],
+            tuple(int(d.strip().removeprefix("<=")) for d in a["dims"].split(",") if d.strip()),
+        )
+        for a in _ARRAY.finditer(text)
+    ]
     if not arrays:
         raise ValueError(f"cannot parse the shape {text!r}. Line: {line.strip()}")
     return arrays

@@ -9,9 +9,11 @@ Examples:
   >>> from jax.sharding import PartitionSpec as P
   >>> from jaxembed.layout import to_partition_spec, to_dims_mapping
   >>> to_partition_spec((1, -1), ("data", "model"))
-  PartitionSpec('model', None)
-  >>> to_partition_spec(((0, 1), -1), ("data", "model"), partial_dims={0})
-  PartitionSpec(('data', 'model'), None, unreduced={'data'})
+  P('model', None)
+  >>> to_partition_spec(((0, 1), -1), ("data", "model"))
+  P(('data', 'model'), None)
+  >>> to_partition_spec((1, -1), ("data", "model"), partial_dims={0})
+  P('model', None, unreduced={'data'})
   >>> to_dims_mapping(P(None, "data"), ("data", "model"), ndim=2)
   (-1, 0)
 """
@@ -28,8 +30,8 @@ __all__ = [
     "DimsEntry",
     "DimsMapping",
     "axis_names_of",
-    "normalize_entry",
     "entry_mesh_axes",
+    "normalize_entry",
     "to_dims_mapping",
     "to_partial_dims",
     "to_partition_spec",
@@ -173,7 +175,9 @@ def to_dims_mapping(spec: Any, mesh_or_axis_names: Any, ndim: int) -> DimsMappin
       A tuple of `ndim` entries.
 
     Raises:
-      ValueError: an unknown mesh axis name, a mesh axis used twice, a spec longer than `ndim`.
+      ValueError: an unknown mesh axis name, a mesh axis used twice, a spec longer than `ndim`,
+        an UNCONSTRAINED entry.
+      TypeError: an entry that is not None, a mesh axis name or a tuple of names.
     """
     names = axis_names_of(mesh_or_axis_names)
     parts = _spec_partitions(spec)
@@ -188,10 +192,17 @@ def to_dims_mapping(spec: Any, mesh_or_axis_names: Any, ndim: int) -> DimsMappin
         if part is None:
             mapping.append(-1)
             continue
-        if not isinstance(part, str | tuple | list):  # PartitionSpec.UNCONSTRAINED
-            raise ValueError(
-                f"PartitionSpec {spec!r} has an UNCONSTRAINED entry; jaxembed needs a concrete "
-                "layout (use None for a replicated axis)"
+        if not isinstance(part, str | tuple | list):
+            from jax.sharding import PartitionSpec as P
+
+            if part is P.UNCONSTRAINED:
+                raise ValueError(
+                    f"PartitionSpec {spec!r} has an UNCONSTRAINED entry; jaxembed needs a "
+                    "concrete layout (use None for a replicated axis)"
+                )
+            raise TypeError(
+                f"PartitionSpec {spec!r} has entry {part!r}: an entry must be None, a mesh axis "
+                "name or a tuple of mesh axis names"
             )
         group = (part,) if isinstance(part, str) else tuple(part)
         axes = []

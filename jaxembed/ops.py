@@ -287,11 +287,13 @@ def embedding(
             "x.astype(jnp.int32) if they hold whole numbers"
         )
     if jnp.ndim(weight) != 2:
-        raise ValueError(f"weight must be a 2-D table [vocab, hidden], got shape {jnp.shape(weight)}")
+        raise ValueError(
+            f"weight must be a 2-D table [vocab, hidden], got shape {jnp.shape(weight)}"
+        )
     if not jnp.issubdtype(weight.dtype, jnp.floating):
         raise TypeError(f"weight must be a float table, got {weight.dtype}")
     mesh = resolve_mesh(mesh, weight, x)
-    if mesh is None or mesh.size == 1 and all(s is None for s in (x_spec, weight_spec, out_spec)):
+    if mesh is None or (mesh.size == 1 and all(s is None for s in (x_spec, weight_spec, out_spec))):
         plan_vocab = weight.shape[0] if vocab_size is None else vocab_size
         _validate_scalars(plan_vocab, padding_idx, weight.shape[0])
         _check_ids_eagerly(x, plan_vocab)
@@ -329,7 +331,9 @@ def embedding(
 
 def _validate_scalars(vocab_size: int, padding_idx: int | None, num_rows: int) -> None:
     if not 1 <= vocab_size <= num_rows:
-        raise ValueError(f"vocab_size must be in [1, {num_rows}] (the table's rows), got {vocab_size}")
+        raise ValueError(
+            f"vocab_size must be in [1, {num_rows}] (the table's rows), got {vocab_size}"
+        )
     if padding_idx is not None and not 0 <= padding_idx < vocab_size:
         raise ValueError(
             f"padding_idx must be in [0, {vocab_size}) (the vocabulary), got {padding_idx}"

@@ -204,7 +204,9 @@ def _itemsize(dtype: Any) -> int:
 
 
 def _local_shape(shape: Sequence[int], entries: Sequence[tuple[str, ...]], sizes) -> tuple:
-    return tuple(d // math.prod(sizes[a] for a in axes) for d, axes in zip(shape, entries, strict=True))
+    return tuple(
+        d // math.prod(sizes[a] for a in axes) for d, axes in zip(shape, entries, strict=True)
+    )
 
 
 def _ring_all_reduce(n: int, nbytes: float) -> float:
@@ -328,9 +330,7 @@ def _plan_cached(
             f"gradient_exchange must be 'auto', 'dense' or 'rows', got {gradient_exchange!r}"
         )
     if len(weight_shape) != 2:
-        raise ValueError(
-            f"weight must be a 2-D table [vocab, hidden], got shape {weight_shape}"
-        )
+        raise ValueError(f"weight must be a 2-D table [vocab, hidden], got shape {weight_shape}")
     num_rows, hidden = weight_shape
     vocab_size = num_rows if vocab_size is None else vocab_size
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int | np.integer):
@@ -435,54 +435,56 @@ def _plan_cached(
     forward: list[Collective] = []
     backward: list[Collective] = []
 
-    ids_move = _reshard_bytes(x_shape, x_dm, ids_entries, sizes, e_ids)
+    def collective(phase, op, axes, operand, shape, dtype, wire, why) -> Collective:
+        nbytes = math.prod(shape) * _itemsize(dtype)
+        return Collective(phase, op, tuple(axes), operand, tuple(shape), dtype, nbytes, wire, why)
+
     if tuple(x_dm) != tuple(ids_entries):
-        forward.append(Collective(
-            "forward", "reshard", tuple(sorted({a for s in x_dm for a in s} - {a for s in ids_entries for a in s})),
-            "ids", ids_local, ids_dtype, math.prod(ids_local) * e_ids, ids_move,
-            f"ids {x_spec} -> {ids_spec}: the ids move, the table stays",
-        ))  # fmt: skip
+        gathered = {a for s in x_dm for a in s} - {a for s in ids_entries for a in s}
+        wire = _reshard_bytes(x_shape, x_dm, ids_entries, sizes, e_ids)
+        why = f"ids {x_spec} -> {ids_spec}: the ids move, the table stays"
+        forward.append(
+            collective(
+                "forward", "reshard", sorted(gathered), "ids", ids_local, ids_dtype, wire, why
+            )
+        )
     shape = list(out_local)
     for dim, axes in scatters:
         k = math.prod(sizes[a] for a in axes)
-        before = math.prod(shape) * e
+        before = tuple(shape)
         shape[dim] //= k
         result = math.prod(shape) * e
-        forward.append(Collective(
-            "forward", "psum_scatter", axes, "out", tuple(shape), dtype, result,
-            (k - 1) * result, f"sum the row shards; out_spec splits axis {dim}",
-        ))  # fmt: skip
-        backward.insert(0, Collective(
-            "backward", "all_gather", axes, "out_grad", tuple(shape[:dim]) + (shape[dim] * k,)
-            + tuple(shape[dim + 1:]), dtype, before, _ring_all_gather(k, before),
-            f"transpose of the forward psum_scatter on axis {dim}",
-        ))  # fmt: skip
+        why = f"sum the row shards; out_spec splits axis {dim}"
+        forward.append(
+            collective("forward", "psum_scatter", axes, "out", shape, dtype, (k - 1) * result, why)
+        )
+        why = f"transpose of the forward psum_scatter on axis {dim}"
+        wire = _ring_all_gather(k, math.prod(before) * e)
+        backward.insert(
+            0, collective("backward", "all_gather", axes, "out_grad", before, dtype, wire, why)
+        )
     if psum_axes:
         k = math.prod(sizes[a] for a in psum_axes)
-        nbytes = math.prod(shape) * e
-        forward.append(Collective(
-            "forward", "psum", psum_axes, "out", tuple(shape), dtype, nbytes,
-            _ring_all_reduce(k, nbytes), "sum the row shards (each holds its rows, zeros elsewhere)",
-        ))  # fmt: skip
-    body_entries_t = [tuple(b) for b in body_entries]
-    out_move = _reshard_bytes((*x_shape, hidden), body_entries_t, out_entries, sizes, e)
+        wire = _ring_all_reduce(k, math.prod(shape) * e)
+        why = "sum the row shards (each holds its rows, zeros elsewhere)"
+        forward.append(collective("forward", "psum", psum_axes, "out", shape, dtype, wire, why))
     if body_out_spec != out_spec:
-        final_local = _local_shape((*x_shape, hidden), out_entries, sizes)
-        forward.append(Collective(
-            "forward", "reshard", (), "out", final_local, dtype, math.prod(final_local) * e,
-            out_move, f"out {body_out_spec} -> {out_spec}, done by XLA",
-        ))  # fmt: skip
-        back_move = _reshard_bytes((*x_shape, hidden), out_entries, body_entries_t, sizes, e)
-        backward.insert(0, Collective(
-            "backward", "reshard", (), "out_grad", tuple(shape), dtype,
-            math.prod(shape) * e, back_move, f"out_grad {out_spec} -> {body_out_spec}, by XLA",
-        ))  # fmt: skip
+        full = (*x_shape, hidden)
+        body = [tuple(b) for b in body_entries]
+        final_local = _local_shape(full, out_entries, sizes)
+        wire = _reshard_bytes(full, body, out_entries, sizes, e)
+        why = f"out {body_out_spec} -> {out_spec}, done by XLA"
+        forward.append(collective("forward", "reshard", (), "out", final_local, dtype, wire, why))
+        wire = _reshard_bytes(full, out_entries, body, sizes, e)
+        why = f"out_grad {out_spec} -> {body_out_spec}, done by XLA"
+        backward.insert(
+            0, collective("backward", "reshard", (), "out_grad", shape, dtype, wire, why)
+        )
 
     # The gradient exchange over the batch axes B.
     nb = math.prod(sizes[a] for a in batch_axes)
-    grad_shard = math.prod(
-        (num_rows // math.prod(sizes[a] for a in row_axes), out_local[-1])
-    ) * _GRAD_ACCUM_BYTES
+    grad_shard_shape = (num_rows // math.prod(sizes[a] for a in row_axes), out_local[-1])
+    grad_shard = math.prod(grad_shard_shape) * _GRAD_ACCUM_BYTES
     dense_bytes = _ring_all_reduce(nb, grad_shard)
     gathered_ids = math.prod(ids_local) * nb * e_ids
     gathered_grad = math.prod(out_local) * nb * e
@@ -503,25 +505,24 @@ def _plan_cached(
             f"dense {_fmt_bytes(dense_bytes)} < rows {_fmt_bytes(rows_bytes)}: the batch is "
             "large against the table shard"
         )
-    gathered_ids_shape = tuple(x_shape)
     gathered_grad_shape = (*x_shape, out_local[-1])
     exchange_buffers = 0
     if exchange == "rows":
-        backward.append(Collective(
-            "backward", "all_gather", batch_axes, "ids", gathered_ids_shape, ids_dtype,
-            gathered_ids, _ring_all_gather(nb, gathered_ids),
-            "rows exchange: every device scatter-adds the whole batch into its own shard",
-        ))  # fmt: skip
-        backward.append(Collective(
-            "backward", "all_gather", batch_axes, "out_grad", gathered_grad_shape, dtype,
-            gathered_grad, _ring_all_gather(nb, gathered_grad), "rows exchange",
+        why = "rows exchange: every device scatter-adds the whole batch into its own shard"
+        wire = _ring_all_gather(nb, gathered_ids)
+        backward.append(
+            collective("backward", "all_gather", batch_axes, "ids", x_shape, ids_dtype, wire, why)
+        )
+        wire = _ring_all_gather(nb, gathered_grad)
+        backward.append(collective(
+            "backward", "all_gather", batch_axes, "out_grad", gathered_grad_shape, dtype, wire,
+            "rows exchange",
         ))  # fmt: skip
         exchange_buffers = gathered_ids + math.prod(gathered_grad_shape) * _GRAD_ACCUM_BYTES
     elif exchange == "dense":
-        backward.append(Collective(
-            "backward", "psum", batch_axes, "weight_grad",
-            (num_rows // math.prod(sizes[a] for a in row_axes), out_local[-1]), "float32",
-            grad_shard, dense_bytes, "dense exchange: sum the partial gradient shards",
+        backward.append(collective(
+            "backward", "psum", batch_axes, "weight_grad", grad_shard_shape, "float32",
+            dense_bytes, "dense exchange: sum the partial gradient shards",
         ))  # fmt: skip
 
     memory = MemoryEstimate(
@@ -586,10 +587,10 @@ def format_plan(plan: EmbeddingPlan) -> str:
         f"EmbeddingPlan  mesh: {mesh}",
         f"  table   {plan.dtype}{list(plan.weight_shape)}  vocab {vocab}  layout {plan.weight_spec}"
         f"  shard {list(plan.table_shard_shape)}",
-        f"  ids     {plan.ids_dtype}{list(plan.x_shape)}  given {plan.x_spec}  runs as {plan.ids_spec}",
-        f"  out     {plan.out_spec}" + (
-            f"  (body emits {plan.body_out_spec})" if plan.needs_out_reshard else ""
-        ),
+        f"  ids     {plan.ids_dtype}{list(plan.x_shape)}  given {plan.x_spec}"
+        f"  runs as {plan.ids_spec}",
+        f"  out     {plan.out_spec}"
+        + (f"  (body emits {plan.body_out_spec})" if plan.needs_out_reshard else ""),
         f"  rows split over {plan.row_axes or '-'}, hidden over {plan.hidden_axes or '-'}, "
         f"batch over {plan.batch_axes or '-'}"
         + (f", padding_idx {plan.padding_idx}" if plan.padding_idx is not None else ""),

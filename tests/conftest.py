@@ -34,3 +34,8 @@ def mesh_8(axis_type):
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+# Scripts run by the multi-process tests under jaxembed.launch, not test modules: importing
+# them (e.g. for doctests) would start their work in this single process.
+collect_ignore = ["multihost"]

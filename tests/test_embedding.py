@@ -114,7 +114,10 @@ def test_matches_dense_reference(layout, exchange, axis_type):
     mesh = make_mesh(mesh_shape, axis_type)
     vocab_size, padding_idx = VOCAB_ROWS - 5, 7  # a padded table: 5 rows past the vocab
     ids, table, ct = make_inputs(
-        np.random.default_rng(len(layout)), ids_shape, vocab_size=vocab_size, padding_idx=padding_idx
+        np.random.default_rng(len(layout)),
+        ids_shape,
+        vocab_size=vocab_size,
+        padding_idx=padding_idx,
     )
     plan, text, out, grad = run_lookup(
         mesh, ids, table, ct, x_spec=x_spec, weight_spec=w_spec, out_spec=out_spec,
@@ -185,9 +188,11 @@ def test_auto_exchange_picks_dense_for_a_large_batch():
 
 def test_unreduced_output_returns_partial_sums():
     mesh = make_mesh((2, 4), AxisType.Explicit)
-    ids, table, ct = make_inputs(np.random.default_rng(2), IDS_SHAPE, vocab_size=VOCAB_ROWS, padding_idx=None)
+    ids, table, ct = make_inputs(
+        np.random.default_rng(2), IDS_SHAPE, vocab_size=VOCAB_ROWS, padding_idx=None
+    )
     out_spec = P("data", None, None, unreduced={"model"})
-    plan, text, out, grad = run_lookup(
+    plan, _, out, grad = run_lookup(
         mesh, ids, table, ct, x_spec=P("data"), weight_spec=P("model", None), out_spec=out_spec
     )
     assert plan.psum_axes == () and plan.unreduced_axes == ("model",)
@@ -197,9 +202,9 @@ def test_unreduced_output_returns_partial_sums():
     np.testing.assert_allclose(np.asarray(grad), ref_grad, rtol=1e-5, atol=1e-5)
 
     # Each model shard holds only its own rows' contributions.
-    raw = jax.jit(
-        lambda i, t: jaxembed.embedding(i, t, out_spec=out_spec)
-    )(put(ids, mesh, P("data")), put(table, mesh, P("model", None)))
+    raw = jax.jit(lambda i, t: jaxembed.embedding(i, t, out_spec=out_spec))(
+        put(ids, mesh, P("data")), put(table, mesh, P("model", None))
+    )
     assert jax.typeof(raw).sharding.spec.unreduced == frozenset({"model"})
 
 
@@ -210,7 +215,7 @@ def test_bfloat16_table_accumulates_in_float32(exchange):
     ids = np.zeros((8, 64), np.int32)  # every id hits row 0: 512 additions in one row
     table = rng.normal(size=(64, 16)).astype(jnp.bfloat16)
     ct = np.full((8, 64, 16), 1.0 + 2**-7, dtype=jnp.bfloat16)
-    plan, _, out, grad = run_lookup(
+    _, _, out, grad = run_lookup(
         mesh, ids, table, ct, x_spec=P("data"), weight_spec=P("model", None), out_spec=None,
         gradient_exchange=exchange,
     )  # fmt: skip
@@ -223,7 +228,9 @@ def test_bfloat16_table_accumulates_in_float32(exchange):
 
 def test_explicit_mesh_reads_layouts_from_types_under_jit():
     mesh = make_mesh((2, 4), AxisType.Explicit)
-    ids, table, ct = make_inputs(np.random.default_rng(4), IDS_SHAPE, vocab_size=VOCAB_ROWS, padding_idx=None)
+    ids, table, ct = make_inputs(
+        np.random.default_rng(4), IDS_SHAPE, vocab_size=VOCAB_ROWS, padding_idx=None
+    )
     ids_d, table_d = put(ids, mesh, P("data")), put(table, mesh, P("model", None))
     out, grad = jax.jit(
         lambda i, t: jax.value_and_grad(lambda t: jnp.sum(jaxembed.embedding(i, t) ** 2))(t)
@@ -239,7 +246,9 @@ def test_explicit_mesh_reads_layouts_from_types_under_jit():
 
 def test_vmap_over_the_ids_batch():
     mesh = make_mesh((2, 4), AxisType.Explicit)
-    ids, table, ct = make_inputs(np.random.default_rng(5), IDS_SHAPE, vocab_size=VOCAB_ROWS, padding_idx=None)
+    ids, table, ct = make_inputs(
+        np.random.default_rng(5), IDS_SHAPE, vocab_size=VOCAB_ROWS, padding_idx=None
+    )
     table_d = put(table, mesh, P("model", None))
     ids_d = put(ids, mesh, P(None, "data"))  # vmap over axis 0, which is not split
 
@@ -348,16 +357,22 @@ def test_bad_scalars(arrays, kwargs, match):
 
 def test_uneven_vocab_says_how_to_pad():
     mesh = make_mesh((2, 4), AxisType.Explicit)
-    with pytest.raises(ValueError, match=r"vocab \(table rows\) 50257 does not divide mesh axis "
-                       r"'model' \(size 4\).*pad the table to 50260 rows and pass vocab_size=50257"):
+    with pytest.raises(
+        ValueError,
+        match=r"vocab \(table rows\) 50257 does not divide mesh axis "
+        r"'model' \(size 4\).*pad the table to 50260 rows and pass vocab_size=50257",
+    ):
         jaxembed.plan_embedding(mesh, (8,), (50257, 16), weight_spec=P("model", None))
 
 
 def test_out_of_range_concrete_ids_raise(arrays):
     mesh, _, table = arrays
     ids = put(np.array([[1, 2, 3, 70, 5, 6, 7, 8]] * 8, np.int32), mesh, P("data"))
-    with pytest.raises(ValueError, match=r"id 70 at index \(0, 3\) is out of range for a "
-                       r"vocabulary of 64 rows"):
+    with pytest.raises(
+        ValueError,
+        match=r"id 70 at index \(0, 3\) is out of range for a "
+        r"vocabulary of 64 rows",
+    ):
         jaxembed.embedding(ids, table)
     with pytest.raises(ValueError, match=r"id 62 .* vocabulary of 60 rows"):
         jaxembed.embedding(jnp.array([62]), table, vocab_size=60)
@@ -372,7 +387,9 @@ def test_conflicting_table_layout_is_an_error(arrays):
 def test_unreduced_needs_an_explicit_mesh_and_a_row_axis():
     auto = make_mesh((2, 4), AxisType.Auto)
     explicit = make_mesh((2, 4), AxisType.Explicit)
-    with pytest.raises(ValueError, match=r"unreduced axes, which need a mesh whose axes are all AxisType.Explicit"):
+    with pytest.raises(
+        ValueError, match=r"unreduced axes, which need a mesh whose axes are all AxisType.Explicit"
+    ):
         jaxembed.plan_embedding(auto, (8,), (64, 16), weight_spec=P("model", None),
                                 out_spec=P(None, None, unreduced={"model"}))  # fmt: skip
     with pytest.raises(ValueError, match=r"keeps \['data'\] unreduced"):

@@ -106,15 +106,17 @@ def test_unknown_element_type_raises():
 def test_each_kind_and_its_wire_bytes():
     n = 4
     groups = "replica_groups={{0,1,2,3},{4,5,6,7}}"
-    text = "\n".join([
-        f"%ar = f32[16,128]{{1,0}} all-reduce(f32[16,128]{{1,0}} %a), {groups}, to_apply=%add",
-        f"%rs = f32[4,128]{{1,0}} reduce-scatter(f32[16,128]{{1,0}} %a), {groups}, "
-        "dimensions={0}, to_apply=%add",
-        f"%ag = f32[64,128]{{1,0}} all-gather(f32[16,128]{{1,0}} %a), {groups}, dimensions={{0}}",
-        f"%aa = f32[16,128]{{1,0}} all-to-all(f32[16,128]{{1,0}} %a), {groups}, dimensions={{0}}",
-        "%cp = f32[16,128]{1,0} collective-permute(f32[16,128]{1,0} %a), "
-        "source_target_pairs={{0,1},{1,2},{2,3},{3,0}}",
-    ])
+    text = "\n".join(
+        [
+            f"%ar = f32[16,128]{{1,0}} all-reduce(f32[16,128]{{1,0}} %a), {groups}, to_apply=%add",
+            f"%rs = f32[4,128]{{1,0}} reduce-scatter(f32[16,128]{{1,0}} %a), {groups}, "
+            "dimensions={0}, to_apply=%add",
+            f"%ag = f32[64,128]{{1,0}} all-gather(f32[16,128]{{1,0}} %a), {groups}, dimensions={{0}}",
+            f"%aa = f32[16,128]{{1,0}} all-to-all(f32[16,128]{{1,0}} %a), {groups}, dimensions={{0}}",
+            "%cp = f32[16,128]{1,0} collective-permute(f32[16,128]{1,0} %a), "
+            "source_target_pairs={{0,1},{1,2},{2,3},{3,0}}",
+        ]
+    )
     ar, rs, ag, aa, cp = hlo.collectives(text)
     full = 16 * 128 * 4
     assert [c.kind for c in (ar, rs, ag, aa, cp)] == list(hlo.KINDS)
@@ -162,13 +164,19 @@ def test_groups_of_one_and_self_pairs_move_nothing():
 def test_element_types_scalars_and_layouts(shape, dtype, dims, nbytes):
     c = _one(f"%ar = {shape} all-reduce({shape} %p), replica_groups={{{{0,1}}}}, to_apply=%add")
     assert (c.dtype, c.result_shape, c.result_bytes, c.operand_bytes) == (
-        dtype, (dims,), nbytes, nbytes)
+        dtype,
+        (dims,),
+        nbytes,
+        nbytes,
+    )
     assert c.wire_bytes == 2 * (2 - 1) / 2 * nbytes
 
 
 def test_tuple_result_sums_its_arrays():
-    c = _one("%ar = (f32[8,128]{1,0}, f32[4]{0}, bf16[2]{0}) all-reduce(%a, %b, %c), "
-             "replica_groups={{0,1,2,3}}, to_apply=%add")
+    c = _one(
+        "%ar = (f32[8,128]{1,0}, f32[4]{0}, bf16[2]{0}) all-reduce(%a, %b, %c), "
+        "replica_groups={{0,1,2,3}}, to_apply=%add"
+    )
     assert c.dtype == "f32"
     assert c.result_shape == ((8, 128), (4,), (2,))
     assert c.result_bytes == 8 * 128 * 4 + 4 * 4 + 2 * 2
@@ -260,8 +268,10 @@ def test_async_pairs_count_once_with_the_output_part_of_the_start():
 
 
 def test_combined_async_all_gather_takes_every_output():
-    c = _one("%ags = ((f32[2]{0}, bf16[3]{0}), (f32[8]{0}, bf16[12]{0})) all-gather-start(%a, %b),"
-             " replica_groups={{0,1,2,3}}, dimensions={0}")
+    c = _one(
+        "%ags = ((f32[2]{0}, bf16[3]{0}), (f32[8]{0}, bf16[12]{0})) all-gather-start(%a, %b),"
+        " replica_groups={{0,1,2,3}}, dimensions={0}"
+    )
     assert (c.dtype, c.result_shape) == ("f32", ((8,), (12,)))
     assert (c.result_bytes, c.operand_bytes) == (8 * 4 + 12 * 2, 2 * 4 + 3 * 2)
 
@@ -321,11 +331,13 @@ def test_mesh_axes_of_permute_pairs_and_out_of_range_ids():
 
 
 def test_summarize_lists_each_collective_and_the_total():
-    text = "\n".join([
-        _all_reduce("{{0,1,2,3},{4,5,6,7}}"),
-        "%ag = bf16[8,4]{1,0} all-gather(bf16[2,4]{1,0} %p), replica_groups={{0,4},{1,5},{2,6},"
-        "{3,7}}, dimensions={0}",
-    ])
+    text = "\n".join(
+        [
+            _all_reduce("{{0,1,2,3},{4,5,6,7}}"),
+            "%ag = bf16[8,4]{1,0} all-gather(bf16[2,4]{1,0} %p), replica_groups={{0,4},{1,5},{2,6},"
+            "{3,7}}, dimensions={0}",
+        ]
+    )
     assert hlo.summarize(text, MESH_2X4).splitlines() == [
         "kind        mesh_axes  shape      result_bytes  wire_bytes",
         "all-reduce  model      f32[4]               16          24",
@@ -333,8 +345,12 @@ def test_summarize_lists_each_collective_and_the_total():
         "total                                       80          56",
     ]
     combined = "%ar = (f32[8]{0}, f32[]) all-reduce(%a, %b), replica_groups={{0,1}}"
-    assert hlo.summarize(combined).splitlines()[1].split() == ["all-reduce", "f32[8],[]", "36",
-                                                               "36"]
+    assert hlo.summarize(combined).splitlines()[1].split() == [
+        "all-reduce",
+        "f32[8],[]",
+        "36",
+        "36",
+    ]
     assert hlo.summarize(_all_reduce("{{0,1,2}}")).splitlines() == [
         "kind        shape   result_bytes  wire_bytes",
         "all-reduce  f32[4]            16       21.33",
@@ -363,8 +379,9 @@ def _local_bytes(*shape: int, dtype=jnp.float32) -> int:
 
 def test_psum_over_model(mesh_2x4):
     x = jnp.arange(8 * 16, dtype=jnp.float32).reshape(8, 16)
-    text = _shard_map_hlo(mesh_2x4, lambda a: jax.lax.psum(a, "model"), x,
-                          P("data", "model"), P("data", None))
+    text = _shard_map_hlo(
+        mesh_2x4, lambda a: jax.lax.psum(a, "model"), x, P("data", "model"), P("data", None)
+    )
     c = _one(text)  # x: f32[8/2, 16/4] per device
     n, nbytes = 4, _local_bytes(4, 4)
     assert (c.kind, c.dtype, c.result_shape, c.group_size) == ("all-reduce", "f32", ((4, 4),), n)
@@ -391,8 +408,7 @@ def test_all_gather_over_model(mesh_2x4):
     x = jnp.ones((8, 16), jnp.float32)
     body = lambda a: jax.lax.all_gather(a, "model", axis=1, tiled=True)
     # check_vma=False: jax does not infer that a tiled all_gather is invariant over 'model'
-    text = _shard_map_hlo(mesh_2x4, body, x, P("data", "model"), P("data", None),
-                          check_vma=False)
+    text = _shard_map_hlo(mesh_2x4, body, x, P("data", "model"), P("data", None), check_vma=False)
     c = _one(text)  # a: f32[4, 4] per device, gathered to f32[4, 16]
     n = 4
     assert (c.kind, c.result_shape, c.group_size) == ("all-gather", ((4, 16),), n)
@@ -420,7 +436,8 @@ def test_ppermute_ring_over_model(mesh_2x4):
     c = _one(_shard_map_hlo(mesh_2x4, body, x, P("data", "model"), P("data", "model")))
     assert c.kind == "collective-permute"
     assert sorted(c.replica_groups) == sorted(
-        (r * 4 + i, r * 4 + (i + 1) % 4) for r in range(2) for i in range(4))
+        (r * 4 + i, r * 4 + (i + 1) % 4) for r in range(2) for i in range(4)
+    )
     assert (c.result_bytes, c.wire_bytes) == (_local_bytes(4, 4), float(_local_bytes(4, 4)))
     assert hlo.mesh_axes(c, mesh_2x4) == ("model",)
 
@@ -445,8 +462,11 @@ def test_scalar_psum_over_both_axes(mesh_2x4):
 
 def test_bf16_psum_bytes_follow_the_dtype_xla_emits(mesh_2x4):
     x = jnp.ones((8, 16), jnp.bfloat16)
-    c = _one(_shard_map_hlo(mesh_2x4, lambda a: jax.lax.psum(a, "model"), x,
-                            P("data", "model"), P("data", None)))
+    c = _one(
+        _shard_map_hlo(
+            mesh_2x4, lambda a: jax.lax.psum(a, "model"), x, P("data", "model"), P("data", None)
+        )
+    )
     # XLA CPU promotes a bf16 all-reduce to f32 (convert, all-reduce in f32, convert back),
     # so on CPU the wire carries twice the bf16 bytes; other backends keep bf16.
     if jax.default_backend() == "cpu":
@@ -461,7 +481,10 @@ def test_gspmd_reduction_uses_the_mesh_spelling():
     c = _one(text)  # partitioner-inserted: replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}
     assert "replica_groups=mesh[" in text
     assert (c.kind, c.result_shape, c.replica_groups) == (
-        "all-reduce", ((4,),), ((0, 4), (1, 5), (2, 6), (3, 7)))
+        "all-reduce",
+        ((4,),),
+        ((0, 4), (1, 5), (2, 6), (3, 7)),
+    )
     assert hlo.mesh_axes(c, mesh) == ("data",)
 
 
@@ -485,8 +508,11 @@ def test_mesh_axes_on_a_permuted_device_mesh(arrange):
     # {0,1,2,3} as device ids would span both axes.
     mesh = jax.sharding.Mesh(arrange(np.array(jax.devices())), ("data", "model"))
     x = jnp.ones((8, 16), jnp.float32)
-    psum = _one(_shard_map_hlo(mesh, lambda a: jax.lax.psum(a, "model"), x,
-                               P("data", "model"), P("data", None)))
+    psum = _one(
+        _shard_map_hlo(
+            mesh, lambda a: jax.lax.psum(a, "model"), x, P("data", "model"), P("data", None)
+        )
+    )
     body = lambda a: jax.lax.psum_scatter(a, "data", scatter_dimension=0, tiled=True)
     scatter = _one(_shard_map_hlo(mesh, body, x, P(None, "model"), P("data", "model")))
     assert hlo.mesh_axes(psum, mesh) == ("model",)
@@ -499,8 +525,9 @@ def test_summarize_a_compiled_program(mesh_2x4):
     x = jnp.ones((8, 16), jnp.float32)
 
     def body(a):  # a: f32[4, 4]
-        return jax.lax.psum_scatter(jax.lax.psum(a, "model"), "data", scatter_dimension=0,
-                                    tiled=True)
+        return jax.lax.psum_scatter(
+            jax.lax.psum(a, "model"), "data", scatter_dimension=0, tiled=True
+        )
 
     text = _shard_map_hlo(mesh_2x4, body, x, P("data", "model"), P("data", None))
     rows = hlo.summarize(text, mesh_2x4).splitlines()

@@ -10,9 +10,10 @@ Letters: the ids `x` of rank n take `a, b, c, ...` (skipping `j` and `k`), the t
 |---|---|---|---|
 | forward | x, weight unchanged (row -1 if not vocab_parallel) | `x_dm + [w_dm[1]]` | `{w_dm[0]}` |
 | reverse | `x = out_dm[:-1]`, `weight = [-1, out_dm[-1]]` | out as given | out's |
-| grad | x, out_grad: merged batch; weight: row -1 unless vocab_parallel | `[row, og_dm[-1]]` | batch axes |
+| grad | x, out_grad: merged batch; weight: row -1 unless vp | `[row, og_dm[-1]]` | batch axes |
 
-`vocab_parallel=False` reproduces Paddle's kernel-facing rules exactly; `vocab_parallel=True`
+(vp: `vocab_parallel`.) `vocab_parallel=False` reproduces Paddle's kernel-facing rules
+exactly; `vocab_parallel=True`
 (default) keeps the table's rows split in the forward and the gradient, so the gradient is
 born in the table's own layout.
 
@@ -60,9 +61,7 @@ def _check_options(padding_idx: int, sparse: bool) -> None:
 def _check_table(weight: DistSpec) -> None:
     _check_rank(weight, "weight")
     if weight.ndim != 2:
-        raise ValueError(
-            f"weight must be a 2-D table [vocab, hidden], got shape {weight.shape}"
-        )
+        raise ValueError(f"weight must be a 2-D table [vocab, hidden], got shape {weight.shape}")
 
 
 def embedding_forward(
@@ -102,9 +101,7 @@ def embedding_forward(
     w_out = DistSpec(weight.shape, dims_mapping_for(VOCAB + HIDDEN, merged), weight.partial_dims)
     # Each shard looks up only its own rows; the others' contributions are zero: partial.
     partial = partial_dims_for(VOCAB, merged) | weight.partial_dims
-    out = DistSpec(
-        (*x.shape, weight.shape[1]), dims_mapping_for(x_ax + HIDDEN, merged), partial
-    )
+    out = DistSpec((*x.shape, weight.shape[1]), dims_mapping_for(x_ax + HIDDEN, merged), partial)
     return SpmdInfo((x_out, w_out), (out,))
 
 
@@ -186,7 +183,9 @@ def embedding_grad(
     )
     x_out = DistSpec(x.shape, dims_mapping_for(batch, merged))
     w_out = DistSpec(weight.shape, (row, weight.dims_mapping[1]), weight.partial_dims)
-    og_out = DistSpec(out_grad.shape, dims_mapping_for(batch + HIDDEN, merged), out_grad.partial_dims)
+    og_out = DistSpec(
+        out_grad.shape, dims_mapping_for(batch + HIDDEN, merged), out_grad.partial_dims
+    )
     # The batch is summed away: every mesh axis that splits it leaves a partial sum.
     partial = partial_dims_for(batch, merged) | out_grad.partial_dims
     weight_grad = DistSpec(weight.shape, dims_mapping_for(VOCAB + HIDDEN, merged), partial)

@@ -155,7 +155,9 @@ def partial_dims_for(
     summed_letters: Iterable[str], merged: Mapping[str, DimsEntry]
 ) -> frozenset[int]:
     """The mesh axes that split any of the letters an output sums away."""
-    return frozenset(a for letter in summed_letters for a in entry_mesh_axes(merged.get(letter, -1)))
+    return frozenset(
+        a for letter in summed_letters for a in entry_mesh_axes(merged.get(letter, -1))
+    )
 
 
 def _check_rank(spec: DistSpec, name: str) -> None:
@@ -167,9 +169,7 @@ def _check_rank(spec: DistSpec, name: str) -> None:
         )
 
 
-def einsum_rule(
-    equation: str, *operands: DistSpec, names: Sequence[str] | None = None
-) -> SpmdInfo:
+def einsum_rule(equation: str, *operands: DistSpec, names: Sequence[str] | None = None) -> SpmdInfo:
     """The sharding rule of `jnp.einsum(equation, *operands)`.
 
     Inputs take the merged layout of their letters; the output's mapping is read back from

@@ -1,0 +1,309 @@
+"""A local multi-process launcher for JAX's multi-controller runtime, for development and tests.
+
+    python -m jaxembed.launch --processes 2 --devices-per-process 4 -- SCRIPT [ARGS...]
+
+starts `--processes` copies of `python SCRIPT ARGS` with a coordinator on 127.0.0.1 and a
+free port. Each copy calls `jaxembed.launch.initialize()` first, which gives it
+`--devices-per-process` CPU devices and runs `jax.distributed.initialize` (CPU collectives
+over gloo), so `jax.devices()` then lists every process's devices. The launcher prefixes
+each line a process prints with `[pN]`, returns the worst exit code, and when one process
+fails gives the others `--grace` seconds to notice through the runtime's heartbeat (and exit
+with its message) before it kills them.
+
+On a real cluster the same script runs unchanged: without the launcher's environment,
+`initialize()` calls `jax.distributed.initialize()` with no arguments, which detects SLURM,
+Open MPI, Kubernetes (JobSet) and Cloud TPU settings by itself. See `docs/multihost.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import TextIO
+
+__all__ = ["LaunchError", "free_port", "initialize", "launch", "main"]
+
+ENV_COORDINATOR = "JAXEMBED_COORDINATOR"
+ENV_NUM_PROCESSES = "JAXEMBED_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXEMBED_PROCESS_ID"
+ENV_DEVICES = "JAXEMBED_DEVICES_PER_PROCESS"
+ENV_HEARTBEAT = "JAXEMBED_HEARTBEAT_TIMEOUT"
+ENV_INIT_TIMEOUT = "JAXEMBED_INIT_TIMEOUT"
+
+
+class LaunchError(RuntimeError):
+    """The processes cannot be started or cannot form one runtime."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _check_port_free(port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            raise LaunchError(
+                f"coordinator port {port} on 127.0.0.1 is already in use ({e.strerror}): pick "
+                "another --port, or leave it out to take a free one"
+            ) from None
+
+
+def initialize(
+    *, heartbeat_timeout_seconds: int | None = None, initialization_timeout: int | None = None
+) -> bool:
+    """Joins the multi-process runtime; call it before anything else touches jax devices.
+
+    In a process started by `launch`, sets the CPU device count and calls
+    `jax.distributed.initialize` with the launcher's coordinator. Elsewhere with
+    `JAX_COORDINATOR_ADDRESS` or a cluster environment, calls it with no arguments
+    (auto-detection). With neither, does nothing: a single-process run.
+
+    Args:
+      heartbeat_timeout_seconds: how long the runtime waits for a silent peer before it
+        declares it lost and stops every process (default 10 under the launcher).
+      initialization_timeout: how long to wait for every peer to join (default 60).
+
+    Returns:
+      True when the process joined a multi-process runtime.
+
+    Raises:
+      LaunchError: a process count or device count that does not add up.
+    """
+    import jax
+
+    if ENV_COORDINATOR not in os.environ:
+        cluster = any(
+            k in os.environ
+            for k in ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE",
+                      "TPU_WORKER_HOSTNAMES")
+        )  # fmt: skip
+        if cluster:
+            jax.distributed.initialize()
+        return cluster
+    num_processes = int(os.environ[ENV_NUM_PROCESSES])
+    process_id = int(os.environ[ENV_PROCESS_ID])
+    devices = int(os.environ[ENV_DEVICES])
+    if not 0 <= process_id < num_processes:
+        raise LaunchError(
+            f"process id {process_id} is outside the {num_processes} processes of this launch"
+        )
+    heartbeat = heartbeat_timeout_seconds or int(os.environ.get(ENV_HEARTBEAT, "10"))
+    init_timeout = initialization_timeout or int(os.environ.get(ENV_INIT_TIMEOUT, "60"))
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", devices)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        os.environ[ENV_COORDINATOR],
+        num_processes=num_processes,
+        process_id=process_id,
+        heartbeat_timeout_seconds=heartbeat,
+        initialization_timeout=init_timeout,
+        shutdown_timeout_seconds=max(heartbeat, 10),
+    )
+    if jax.process_count() != num_processes:
+        raise LaunchError(
+            f"process {process_id} was started as one of {num_processes} processes, but the "
+            f"runtime at {os.environ[ENV_COORDINATOR]} has {jax.process_count()}: start every "
+            "process with the same --processes"
+        )
+    if jax.local_device_count() != devices or jax.device_count() != devices * num_processes:
+        raise LaunchError(
+            f"process {process_id} sees {jax.local_device_count()} local and "
+            f"{jax.device_count()} global devices, expected {devices} and "
+            f"{devices * num_processes} ({num_processes} processes x {devices}): every process "
+            "must be started with the same --devices-per-process"
+        )
+    return True
+
+
+def _pump(stream, prefix: str, out: TextIO, lock: threading.Lock) -> None:
+    for line in iter(stream.readline, ""):
+        with lock:
+            out.write(f"{prefix}{line}" if line.endswith("\n") else f"{prefix}{line}\n")
+            out.flush()
+    stream.close()
+
+
+def _exit_code(code: int) -> int:
+    """Shell convention: killed by signal N -> 128 + N."""
+    return 128 - code if code < 0 else code
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def launch(
+    command: Sequence[str],
+    *,
+    processes: int,
+    devices_per_process: int,
+    port: int | None = None,
+    grace_seconds: float = 60.0,
+    timeout_seconds: float | None = None,
+    heartbeat_timeout_seconds: int = 10,
+    env: Mapping[str, str] | None = None,
+    out: TextIO | None = None,
+) -> int:
+    """Runs `python *command` in `processes` processes that form one JAX runtime.
+
+    Args:
+      command: a script and its arguments (`["train.py", "--steps", "10"]`) or
+        `["-m", "module", ...]`; run with this Python.
+      processes: how many processes.
+      devices_per_process: CPU devices each process gets.
+      port: the coordinator's port on 127.0.0.1 (default: a free one).
+      grace_seconds: after one process fails, how long the others get to exit on their own
+        (the runtime's heartbeat stops them with a message naming the lost process) before
+        the launcher kills them.
+      timeout_seconds: kill everything after this long (exit code 124).
+      heartbeat_timeout_seconds: passed to `jax.distributed.initialize` in each process.
+      env: extra environment variables for every process.
+      out: where the prefixed output goes (default `sys.stdout`).
+
+    Returns:
+      The worst exit code (0 when every process succeeded; 128+N for a signal N).
+
+    Raises:
+      LaunchError: a bad process or device count, or a coordinator port in use.
+    """
+    if processes < 1 or devices_per_process < 1:
+        raise LaunchError(
+            f"need at least 1 process and 1 device per process, got --processes {processes} "
+            f"--devices-per-process {devices_per_process}"
+        )
+    if not command:
+        raise LaunchError("no command to run: pass a script after --, e.g. -- train.py --steps 10")
+    if port is None:
+        port = free_port()
+    else:
+        _check_port_free(port)
+    out = out or sys.stdout
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    pumps = []
+    for pid in range(processes):
+        child_env = {
+            **os.environ,
+            **(env or {}),
+            ENV_COORDINATOR: f"127.0.0.1:{port}",
+            ENV_NUM_PROCESSES: str(processes),
+            ENV_PROCESS_ID: str(pid),
+            ENV_DEVICES: str(devices_per_process),
+            ENV_HEARTBEAT: str(heartbeat_timeout_seconds),
+            "JAX_PLATFORMS": "cpu",
+            "PYTHONUNBUFFERED": "1",
+        }
+        child_env.pop("XLA_FLAGS", None)  # the device count comes from jax_num_cpu_devices
+        proc = subprocess.Popen(
+            [sys.executable, *command],
+            env=child_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+        procs.append(proc)
+        t = threading.Thread(target=_pump, args=(proc.stdout, f"[p{pid}] ", out, lock), daemon=True)
+        t.start()
+        pumps.append(t)
+
+    def say(message: str) -> None:
+        with lock:
+            out.write(f"[launch] {message}\n")
+            out.flush()
+
+    start = time.monotonic()
+    failed_at: float | None = None
+    reported: set[int] = set()
+    try:
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            for pid, p in enumerate(procs):
+                code = p.poll()
+                if code is not None and pid not in reported:
+                    reported.add(pid)
+                    if code != 0:
+                        say(f"process {pid} {_describe(code)}")
+                        if failed_at is None:
+                            failed_at = now
+            if failed_at is not None and now - failed_at > grace_seconds:
+                say(f"killing the processes still running {grace_seconds:.0f} s after a failure")
+                _kill(procs)
+                break
+            if timeout_seconds is not None and now - start > timeout_seconds:
+                say(f"timed out after {timeout_seconds:.0f} s: killing every process")
+                _kill(procs)
+                for p in procs:
+                    p.wait()
+                return 124
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        _kill(procs)
+        raise
+    for p in procs:
+        p.wait()
+    for t in pumps:
+        t.join(timeout=5)
+    for pid, p in enumerate(procs):
+        if pid not in reported and p.returncode != 0:
+            say(f"process {pid} {_describe(p.returncode)}")
+    return max(_exit_code(p.returncode) for p in procs)
+
+
+def _kill(procs: Sequence[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxembed.launch",
+        description="Run a script in several processes that form one JAX runtime on this "
+        "machine (CPU devices, gloo collectives).",
+    )
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--devices-per-process", type=int, default=4)
+    parser.add_argument("--port", type=int, default=None, help="coordinator port (default: free)")
+    parser.add_argument("--grace", type=float, default=60.0,
+                        help="seconds the others get to exit after one fails")  # fmt: skip
+    parser.add_argument("--timeout", type=float, default=None, help="kill all after this long")
+    parser.add_argument("--heartbeat-timeout", type=int, default=10)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...]")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        return launch(
+            command, processes=args.processes, devices_per_process=args.devices_per_process,
+            port=args.port, grace_seconds=args.grace, timeout_seconds=args.timeout,
+            heartbeat_timeout_seconds=args.heartbeat_timeout,
+        )  # fmt: skip
+    except LaunchError as e:
+        print(f"jaxembed.launch: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
