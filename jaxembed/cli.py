@@ -91,6 +91,10 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--exchange", choices=("auto", "dense", "rows"), default="auto",
                    help="gradient exchange")  # fmt: skip
     p.add_argument("--axis-types", choices=("explicit", "auto"), default="explicit")
+    p.add_argument(
+        "--host-axes", default="",
+        help="mesh axes that span hosts, e.g. data: prints the bytes that leave a host",
+    )  # fmt: skip
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -119,6 +123,16 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(f"jaxembed plan: error: {e}", file=sys.stderr)
         return 2
     print(plan)
+    host_axes = [a for a in args.host_axes.split(",") if a]
+    if host_axes:
+        from jaxembed.plan import _fmt_bytes
+
+        try:
+            over = plan.wire_bytes_over(host_axes)
+        except ValueError as e:
+            print(f"jaxembed plan: error: {e}", file=sys.stderr)
+            return 2
+        print(f"  across hosts ({','.join(host_axes)} spans hosts): {_fmt_bytes(over)} per device")
     return 0
 
 

@@ -60,15 +60,30 @@ def _check_port_free(port: int) -> None:
             ) from None
 
 
+def _cluster_detected() -> bool:
+    """Whether this process is one of several that a cluster manager started."""
+    env = os.environ
+    if env.get("JAXEMBED_DISTRIBUTED", "").lower() in ("1", "auto", "true"):
+        return True
+    if "JAX_COORDINATOR_ADDRESS" in env or "JOB_COMPLETION_INDEX" in env:  # set / k8s JobSet
+        return True
+    for count in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+        if int(env.get(count, "1") or "1") > 1:
+            return True
+    return "," in env.get("TPU_WORKER_HOSTNAMES", "")  # a multi-host Cloud TPU slice
+
+
 def initialize(
     *, heartbeat_timeout_seconds: int | None = None, initialization_timeout: int | None = None
 ) -> bool:
     """Joins the multi-process runtime; call it before anything else touches jax devices.
 
     In a process started by `launch`, sets the CPU device count and calls
-    `jax.distributed.initialize` with the launcher's coordinator. Elsewhere with
-    `JAX_COORDINATOR_ADDRESS` or a cluster environment, calls it with no arguments
-    (auto-detection). With neither, does nothing: a single-process run.
+    `jax.distributed.initialize` with the launcher's coordinator. Started by a cluster
+    manager as one of several processes (`SLURM_NTASKS` or `OMPI_COMM_WORLD_SIZE` above 1, a
+    Kubernetes indexed job, a multi-host Cloud TPU slice, `JAX_COORDINATOR_ADDRESS`, or
+    `JAXEMBED_DISTRIBUTED=1`), calls it with no arguments: JAX detects the cluster itself.
+    Otherwise does nothing: a single-process run.
 
     Args:
       heartbeat_timeout_seconds: how long the runtime waits for a silent peer before it
@@ -84,14 +99,10 @@ def initialize(
     import jax
 
     if ENV_COORDINATOR not in os.environ:
-        cluster = any(
-            k in os.environ
-            for k in ("JAX_COORDINATOR_ADDRESS", "SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE",
-                      "TPU_WORKER_HOSTNAMES")
-        )  # fmt: skip
-        if cluster:
-            jax.distributed.initialize()
-        return cluster
+        if not _cluster_detected():
+            return False
+        jax.distributed.initialize()  # JAX reads SLURM, Open MPI, Kubernetes, Cloud TPU
+        return True
     num_processes = int(os.environ[ENV_NUM_PROCESSES])
     process_id = int(os.environ[ENV_PROCESS_ID])
     devices = int(os.environ[ENV_DEVICES])

@@ -168,6 +168,19 @@ class EmbeddingPlan:
     def backward_wire_bytes(self) -> float:
         return sum(c.wire_bytes for c in self.backward)
 
+    def wire_bytes_over(self, mesh_axes: Sequence[str]) -> float:
+        """Wire bytes per device of the collectives that run over any of `mesh_axes`.
+
+        With those mesh axes spanning hosts, this is the traffic that leaves a host (per
+        device, ring model): pick the host-spanning axis that makes it smallest. Reshards
+        left to XLA count when they gather over one of them.
+        """
+        wanted = set(mesh_axes)
+        unknown = wanted - {n for n, _ in self.mesh_axes}
+        if unknown:
+            raise ValueError(f"{sorted(unknown)} are not axes of the plan's mesh {self.mesh_axes}")
+        return sum(c.wire_bytes for c in (*self.forward, *self.backward) if wanted & set(c.axes))
+
     def _size(self, axes: Sequence[str]) -> int:
         sizes = dict(self.mesh_axes)
         return math.prod(sizes[a] for a in axes)

@@ -72,3 +72,20 @@ def test_console_script_sets_its_own_devices():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "psum          model" in proc.stdout
+
+
+def test_plan_reports_the_bytes_that_cross_hosts(capsys):
+    argv = ["plan", "--mesh", "data=2,model=4", "--ids", "16x128", "--table", "65536x128",
+            "--ids-spec", "data", "--table-spec", "None,model", "--host-axes", "data"]  # fmt: skip
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    plan = plan_embedding(
+        jax.sharding.AbstractMesh((2, 4), ("data", "model")), (16, 128), (65536, 128),
+        x_spec=P("data"), weight_spec=P(None, "model"),
+    )  # fmt: skip
+    # Hidden split on model: only the rows exchange over data leaves a host.
+    assert plan.wire_bytes_over(["model"]) == 0
+    assert plan.wire_bytes_over(["data"]) == plan.backward_wire_bytes > 0
+    assert "across hosts (data spans hosts): 132.0 KiB per device" in out
+    with pytest.raises(ValueError, match=r"\['seq'\] are not axes of the plan's mesh"):
+        plan.wire_bytes_over(["seq"])

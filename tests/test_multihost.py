@@ -97,3 +97,25 @@ def test_a_missing_command_is_a_usage_error(capsys):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize(
+    ("env", "detected"),
+    [
+        ({}, False),
+        ({"SLURM_NTASKS": "1"}, False),  # a single-task job is one process
+        ({"SLURM_NTASKS": "4"}, True),
+        ({"OMPI_COMM_WORLD_SIZE": "2"}, True),
+        ({"JOB_COMPLETION_INDEX": "0"}, True),
+        ({"TPU_WORKER_HOSTNAMES": "t0,t1"}, True),
+        ({"TPU_WORKER_HOSTNAMES": "t0"}, False),
+        ({"JAXEMBED_DISTRIBUTED": "1"}, True),
+    ],
+)
+def test_cluster_detection(monkeypatch, env, detected):
+    for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JOB_COMPLETION_INDEX",
+                 "TPU_WORKER_HOSTNAMES", "JAXEMBED_DISTRIBUTED", "JAX_COORDINATOR_ADDRESS"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert launch._cluster_detected() is detected
