@@ -5,7 +5,9 @@ The layers, each importing only those above it in this list:
 * `jaxembed.layout` — dims mappings and partial dims <-> `PartitionSpec`;
 * `jaxembed.rules` — the sharding rules (pure Python, no jax needed);
 * `jaxembed.plan` — what runs where, with every collective and its bytes;
-* `jaxembed.ops` — `embedding(...)`: the `shard_map` kernels that execute a plan.
+* `jaxembed.ops` — `embedding(...)`: the `shard_map` kernels that execute a plan;
+* `jaxembed.nnx`, `jaxembed.flax`, `jaxembed.losses` — Flax NNX and Linen `Embed`, and the
+  vocab-parallel cross-entropy for tied output heads.
 
 `import jaxembed.rules` never imports jax; the jax-facing names below are loaded on first use.
 """
@@ -19,9 +21,19 @@ _LAZY = {
     "embedding": "jaxembed.ops",
     "plan_embedding": "jaxembed.plan",
     "EmbeddingPlan": "jaxembed.plan",
+    "vocab_parallel_cross_entropy": "jaxembed.losses",
+    "plan_cross_entropy": "jaxembed.losses",
 }
 
-__all__ = ["EmbeddingPlan", "__version__", "check_ids", "embedding", "plan_embedding"]
+__all__ = [
+    "EmbeddingPlan",
+    "__version__",
+    "check_ids",
+    "embedding",
+    "plan_cross_entropy",
+    "plan_embedding",
+    "vocab_parallel_cross_entropy",
+]
 
 
 def __getattr__(name):

@@ -24,7 +24,16 @@ from jax.sharding import PartitionSpec as P
 
 from jaxembed.plan import EmbeddingPlan, GradientExchange, plan_embedding
 
-__all__ = ["check_ids", "embedding", "resolve_mesh", "spec_of"]
+__all__ = [
+    "check_ids",
+    "embedding",
+    "is_explicit",
+    "move",
+    "normalize_spec",
+    "resolve_mesh",
+    "spec_of",
+    "warn_if_layout_unknown",
+]
 
 
 def resolve_mesh(mesh: Any = None, *arrays: Any) -> Any:
@@ -70,23 +79,43 @@ def spec_of(a: Any, mesh: Any) -> P:
     return P()
 
 
-def _is_explicit(mesh: Any) -> bool:
-    return all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+def is_explicit(mesh: Any) -> bool:
+    """Whether every axis of `mesh` is `AxisType.Explicit` (False for no mesh)."""
+    return mesh is not None and all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
 
 
-def _normalize(spec: P, ndim: int) -> P:
+def normalize_spec(spec: P, ndim: int) -> P:
+    """`spec` with one entry per axis and one-name tuples unwrapped, for comparisons."""
     parts = tuple(spec.partitions) + (None,) * (ndim - len(spec.partitions))
     parts = tuple(p[0] if isinstance(p, tuple) and len(p) == 1 else p for p in parts)
     return P(*parts, unreduced=spec.unreduced) if spec.unreduced else P(*parts)
 
 
-def _move(a: jax.Array, mesh: Any, spec: P) -> jax.Array:
-    """Reshards a small operand (ids, an output) to `spec`; XLA picks the collectives."""
-    if _normalize(spec_of(a, mesh), a.ndim) == _normalize(spec, a.ndim):
+def move(a: jax.Array, mesh: Any, spec: P) -> jax.Array:
+    """Reshards a small operand (ids, an output, hidden states) to `spec`.
+
+    A no-op when `a` is already laid out so; otherwise XLA picks the collectives
+    (`device_put` for a concrete array, `reshard` in an Explicit mesh,
+    `with_sharding_constraint` in an Auto one). Never used on a table.
+    """
+    if mesh is None or normalize_spec(spec_of(a, mesh), a.ndim) == normalize_spec(spec, a.ndim):
         return a
-    if _is_explicit(mesh):
+    if not isinstance(a, jax.core.Tracer) and isinstance(mesh, jax.sharding.Mesh):
+        return jax.device_put(a, NamedSharding(mesh, spec))
+    if is_explicit(mesh):
         return jax.sharding.reshard(a, NamedSharding(mesh, spec))
     return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+
+
+def warn_if_layout_unknown(a: Any, mesh: Any, *, function: str, arg: str, what: str) -> None:
+    """Warns when `a` is traced in an Auto mesh, where its layout is invisible."""
+    if isinstance(a, jax.core.Tracer) and not is_explicit(mesh) and mesh.size > 1:
+        warnings.warn(
+            f"{function}() is traced in an Auto mesh without {arg}: a traced {what} does not "
+            "carry its layout there, so it is taken as replicated and XLA may gather it. Pass "
+            f"{arg}=PartitionSpec(...) (the Flax modules do), or use an Explicit mesh.",
+            stacklevel=3,
+        )
 
 
 # --- the shard_map bodies -----------------------------------------------------------------
@@ -166,7 +195,7 @@ def _lookup_bwd(plan, mesh, ids, out_grad):
     grad_spec = plan.body_out_spec
     if plan.unreduced_axes:  # the cotangent of an unreduced output is reduced over them
         grad_spec = grad_spec.to_ct_spec()
-    out_grad = _move(out_grad, mesh, grad_spec)  # a no-op when it arrives in the out layout
+    out_grad = move(out_grad, mesh, grad_spec)  # a no-op when it arrives in the out layout
     bwd = _shard_map(_backward_body, plan, mesh, (plan.ids_spec, grad_spec), plan.weight_spec)
     return None, bwd(ids, out_grad)
 
@@ -300,21 +329,18 @@ def embedding(
         return _dense_lookup(x, weight, plan_vocab, padding_idx)
     given_weight_spec = spec_of(weight, mesh)
     if weight_spec is None:
-        if isinstance(weight, jax.core.Tracer) and not _is_explicit(mesh) and mesh.size > 1:
-            warnings.warn(
-                "embedding() is traced in an Auto mesh without weight_spec: a traced table "
-                "does not carry its layout there, so it is taken as replicated and XLA may "
-                "gather it. Pass weight_spec=PartitionSpec(...) (the Flax modules do), or use "
-                "an Explicit mesh.",
-                stacklevel=2,
-            )
+        warn_if_layout_unknown(weight, mesh, function="embedding", arg="weight_spec", what="table")
         weight_spec = given_weight_spec
-    elif _is_explicit(mesh) and _normalize(given_weight_spec, 2) != _normalize(weight_spec, 2):
+    elif is_explicit(mesh) and normalize_spec(given_weight_spec, 2) != normalize_spec(
+        weight_spec, 2
+    ):
         raise ValueError(
             f"weight is laid out as {given_weight_spec} but weight_spec={weight_spec}: jaxembed "
             "never moves the table; drop weight_spec, or reshard the table once with "
             "jax.sharding.reshard(weight, weight_spec)"
         )
+    # Traced ids in an Auto mesh read as replicated (a valid layout, so no warning): every
+    # device then looks up the whole batch. Pass x_spec there to split the work.
     x_spec = spec_of(x, mesh) if x_spec is None else x_spec
     plan = plan_embedding(
         mesh, x.shape, weight.shape, x_spec=x_spec, weight_spec=weight_spec,
@@ -322,10 +348,10 @@ def embedding(
         dtype=weight.dtype, ids_dtype=x.dtype, gradient_exchange=gradient_exchange,
     )  # fmt: skip
     _check_ids_eagerly(x, plan.vocab_size)
-    ids = _move(x, mesh, plan.ids_spec)
+    ids = move(x, mesh, plan.ids_spec)
     out = _lookup(plan, mesh, ids, weight)
     if plan.needs_out_reshard:
-        out = _move(out, mesh, plan.out_spec)
+        out = move(out, mesh, plan.out_spec)
     return out
 
 

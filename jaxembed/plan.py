@@ -509,14 +509,14 @@ def _plan_cached(
     elif rows_bytes <= dense_bytes:
         exchange = "rows"
         reason = (
-            f"rows {_fmt_bytes(rows_bytes)} <= dense {_fmt_bytes(dense_bytes)}: the batch "
-            "touches fewer rows than a table shard holds"
+            f"rows {_fmt_bytes(rows_bytes)} <= dense {_fmt_bytes(dense_bytes)}: the batch's "
+            "ids and output gradients are smaller than the gradient shard"
         )
     else:
         exchange = "dense"
         reason = (
-            f"dense {_fmt_bytes(dense_bytes)} < rows {_fmt_bytes(rows_bytes)}: the batch is "
-            "large against the table shard"
+            f"dense {_fmt_bytes(dense_bytes)} < rows {_fmt_bytes(rows_bytes)}: the batch's "
+            "output gradients outweigh the gradient shard"
         )
     gathered_grad_shape = (*x_shape, out_local[-1])
     exchange_buffers = 0

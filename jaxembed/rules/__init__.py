@@ -3,6 +3,8 @@
 Pure Python; importable without jax.
 """
 
+from jaxembed.rules.cross_entropy import cross_entropy_forward as cross_entropy_forward
+from jaxembed.rules.cross_entropy import cross_entropy_grad as cross_entropy_grad
 from jaxembed.rules.embedding import embedding_forward as embedding_forward
 from jaxembed.rules.embedding import embedding_grad as embedding_grad
 from jaxembed.rules.embedding import embedding_reverse as embedding_reverse
@@ -19,6 +21,8 @@ __all__ = [
     "DistSpec",
     "ShardingConflictError",
     "SpmdInfo",
+    "cross_entropy_forward",
+    "cross_entropy_grad",
     "dims_mapping_for",
     "einsum_rule",
     "embedding_forward",

@@ -1,0 +1,334 @@
+"""`jaxembed.nnx.Embed`: Flax NNX's `Embed`, with the lookup and the tied head sharded.
+
+A drop-in for `flax.nnx.Embed`: the same constructor arguments, the parameter `embedding`
+with Flax's shape, initializer and rng stream (`params`), so that on one device the outputs
+are Flax's exactly and a Flax checkpoint loads. The table's layout is Flax's own metadata:
+`embedding_init=nnx.with_partitioning(init, ("model", None))`, or
+`embedding_metadata={"out_sharding": ...}`, with logical names resolved through
+`flax.linen.logical_axis_rules`. The lookup runs `jaxembed.embedding` on that layout (the table
+never moves); `cross_entropy` is the tied head's vocab-parallel loss
+(`jaxembed.losses.vocab_parallel_cross_entropy`), which never builds full-vocabulary logits.
+
+The helpers below (layouts from metadata, the padded row count) are shared with the Linen
+module, `jaxembed.flax`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.core import spmd as core_spmd
+from flax.nnx.nn import dtypes
+from flax.nnx.nn.linear import default_embed_init
+from flax.nnx.variablelib import VariableMetadata
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxembed.losses import Reduction, vocab_parallel_cross_entropy
+from jaxembed.ops import embedding, is_explicit
+
+__all__ = ["Embed"]
+
+
+# --- layouts from Flax metadata (shared with jaxembed.flax) --------------------------------
+
+
+def current_mesh(mesh: Any = None) -> Any:
+    """`mesh` (metadata), else `jax.set_mesh`'s abstract mesh, else None."""
+    if mesh is not None:
+        return mesh
+    ctx = jax.sharding.get_abstract_mesh()
+    return None if ctx.empty else ctx
+
+
+def as_spec(sharding: Any) -> P | None:
+    """A `PartitionSpec` from a spec, a `NamedSharding`, a tuple of names, or None."""
+    if sharding is None or isinstance(sharding, P):
+        return sharding
+    if isinstance(sharding, NamedSharding):
+        return sharding.spec
+    if isinstance(sharding, tuple | list):
+        return P(*sharding)
+    raise TypeError(
+        f"expected a PartitionSpec, a NamedSharding or a tuple of mesh axis names, got {sharding!r}"
+    )
+
+
+def check_mesh_names(spec: P | None, mesh: Any, what: str) -> None:
+    """Raises when `spec` names an axis the mesh lacks (an unresolved logical name)."""
+    if spec is None or mesh is None:
+        return
+    for entry in spec:
+        for name in (entry,) if isinstance(entry, str) else entry or ():
+            if name not in mesh.axis_names:
+                raise ValueError(
+                    f"{what} {spec} names {name!r}, which is not an axis of the mesh "
+                    f"{tuple(mesh.axis_names)}: if {name!r} is a logical axis name, call the "
+                    f"module inside flax.linen.logical_axis_rules([({name!r}, <mesh axis or "
+                    "None>), ...]), as at initialization"
+                )
+
+
+def padded_rows(num_embeddings: int, spec: P | None, mesh: Any, multiple: int | None) -> int:
+    """Rows of the parameter: `num_embeddings` rounded up to the row shards (and `multiple`)."""
+    if multiple is not None and (isinstance(multiple, bool) or not int(multiple) >= 1):
+        raise ValueError(f"pad_to_multiple_of must be a positive int or None, got {multiple!r}")
+    step = int(multiple or 1)
+    if spec is not None and mesh is not None and len(spec) > 0 and spec[0] is not None:
+        row_axes = (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
+        sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+        if all(a in sizes for a in row_axes):
+            step = math.lcm(step, math.prod(sizes[a] for a in row_axes))
+    return -(-num_embeddings // step) * step
+
+
+def pad_rows(table: jax.Array, rows: int) -> jax.Array:
+    """Appends zero rows up to `rows` (the padding rows, never read nor updated)."""
+    extra = rows - table.shape[0]
+    if extra <= 0:
+        return table
+    return jnp.concatenate([table, jnp.zeros((extra, table.shape[1]), table.dtype)])
+
+
+def out_spec_like_batch(query: jax.Array, mesh: Any) -> P | None:
+    """In an Explicit mesh: the query's batch axes and a whole last axis (for `attend`)."""
+    if not is_explicit(mesh):
+        return None
+    spec = jax.typeof(query).sharding.spec
+    parts = tuple(spec) + (None,) * (query.ndim - len(spec))
+    return P(*parts[:-1], None)
+
+
+def _metadata_spec(metadata: Mapping[str, Any]) -> P | None:
+    """The table's `PartitionSpec` from NNX metadata (`nnx.spmd.get_var_pspec`'s rules)."""
+    sharding = metadata.get("out_sharding")
+    if not sharding:
+        return None
+    if isinstance(sharding, NamedSharding):
+        return sharding.spec
+    context, local = core_spmd.get_logical_axis_rules(), metadata.get("sharding_rules") or ()
+    if context or local:
+        rules = core_spmd.composite_rules(context, local)
+        return P(*core_spmd.from_sharding_rules(tuple(sharding), rules))
+    return P(*sharding)
+
+
+def _metadata_mesh(metadata: Mapping[str, Any]) -> Any:
+    sharding = metadata.get("out_sharding")
+    if isinstance(sharding, NamedSharding):
+        return sharding.mesh
+    return metadata.get("mesh")
+
+
+# --- the module --------------------------------------------------------------------------
+
+
+class Embed(nnx.Module):
+    """An embedding table whose lookup and tied head run sharded, as Flax's `nnx.Embed`.
+
+    The parameter `embedding` has Flax's shape `[num_embeddings, features]`, initializer and
+    rng stream, so that with the same `rngs` its values (and on one device its outputs) are
+    exactly `flax.nnx.Embed`'s. Its layout is the parameter's metadata
+    (`nnx.with_partitioning`, `embedding_metadata={"out_sharding": ...}`, logical names
+    through `flax.linen.logical_axis_rules`); the lookup keeps the table in that layout in the
+    forward and the backward (`jaxembed.embedding`), in Explicit meshes (where
+    `flax.nnx.Embed` raises `ShardingTypeError` on a row-split table) and Auto ones.
+
+    **Padding.** When `num_embeddings` does not divide the mesh axes that split the rows
+    (or `pad_to_multiple_of`), the parameter has more rows: `num_embeddings` rounded up. The
+    real rows hold Flax's values; the padding rows are initialized to zero, never read (an id
+    there is out of range and reads as a zero row, `attend` and `cross_entropy` leave them
+    out of the softmax), and their gradient is exactly zero. So an optimizer whose update is
+    zero for a zero gradient and a zero parameter, such as `optax.adamw` with weight decay
+    (its decay term is `weight_decay * 0`), leaves them exactly zero. Pass
+    `pad_to_multiple_of` to make the parameter's shape independent of the mesh, e.g. to
+    restore a checkpoint onto another mesh.
+
+    Ids outside `[0, num_embeddings)` (and `padding_idx`) read as zero rows and get no
+    gradient under `jit`; called eagerly with concrete ids, they raise. (Flax's `Embed`
+    wraps negative ids and returns NaN for ids past the end.)
+
+    Args:
+      num_embeddings: number of embeddings (the vocabulary).
+      features: the size of each embedding.
+      dtype: the dtype of the lookup and `attend` (default: the parameter's).
+      param_dtype: the parameter's dtype.
+      embedding_init: the initializer (Flax's default:
+        `variance_scaling(1.0, 'fan_in', 'normal', out_axis=0)`), optionally wrapped in
+        `nnx.with_partitioning(init, spec_or_logical_names)`.
+      promote_dtype: as in Flax: promotes `(embedding,)` in `__call__` and
+        `(query, embedding)` in `attend` to `dtype`.
+      padding_idx: an id whose row reads as zero and gets no gradient.
+      pad_to_multiple_of: pad the rows to a multiple of this too (see Padding).
+      gradient_exchange: `"auto"`, `"dense"` or `"rows"` (see `jaxembed.embedding`).
+      rngs: the rngs; the table is drawn from `rngs.params()`, as in Flax.
+      embedding_metadata: metadata of the parameter, e.g. `{"out_sharding": ("model", None)}`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> import jaxembed.nnx
+      >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+      >>> with jax.set_mesh(mesh):
+      ...     embed = jaxembed.nnx.Embed(1000, 16, rngs=nnx.Rngs(0), embedding_init=
+      ...         nnx.with_partitioning(nnx.initializers.normal(), ("model", None)))
+      ...     ids = jax.device_put(jnp.arange(32).reshape(4, 8), P("data"))
+      ...     out = nnx.jit(lambda m, i: m(i))(embed, ids)
+      >>> embed.embedding.shape, embed.embedding.sharding.spec  # 1000 rows -> 1000 (4 | 1000)
+      ((1000, 16), P('model', None))
+      >>> out.shape, out.sharding.spec
+      ((4, 8, 16), P('data', None, None))
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        features: int,
+        *,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        embedding_init: Any = default_embed_init,
+        promote_dtype: Any = dtypes.promote_dtype,
+        padding_idx: int | None = None,
+        pad_to_multiple_of: int | None = None,
+        gradient_exchange: str = "auto",
+        rngs: nnx.Rngs,
+        embedding_metadata: Mapping[str, Any] = MappingProxyType({}),
+    ):
+        if padding_idx is not None and not 0 <= padding_idx < num_embeddings:
+            raise ValueError(
+                f"padding_idx must be in [0, {num_embeddings}) (the vocabulary), got {padding_idx}"
+            )
+        value = embedding_init(rngs.params(), (num_embeddings, features), param_dtype)
+        metadata = dict(embedding_metadata)
+        if isinstance(value, VariableMetadata):
+            metadata = {**metadata, **value.metadata}  # the initializer's wins, as in Flax
+        spec = _metadata_spec(metadata)
+        mesh = current_mesh(_metadata_mesh(metadata))
+        rows = padded_rows(num_embeddings, spec, mesh, pad_to_multiple_of)
+        if isinstance(value, VariableMetadata):
+            value = dataclasses.replace(value, raw_value=pad_rows(value.raw_value, rows))
+        else:
+            value = pad_rows(value, rows)
+        self.embedding = nnx.Param(value, **embedding_metadata)
+
+        self.num_embeddings = num_embeddings
+        self.features = features
+        self.dtype = dtype or self.embedding.dtype
+        self.param_dtype = param_dtype
+        self.promote_dtype = promote_dtype
+        self.padding_idx = padding_idx
+        self.gradient_exchange = gradient_exchange
+
+    def table_layout(self) -> tuple[Any, P | None]:
+        """The mesh to run on and the table's `PartitionSpec`, from the metadata.
+
+        The mesh is the metadata's, else `jax.set_mesh`'s, else None (the arrays' own, or
+        one device). Without sharding metadata the spec is None in an Explicit mesh (the
+        table's type tells it) and `P()` (replicated, Flax's convention) otherwise.
+        """
+        metadata = self.embedding.get_metadata()
+        mesh = current_mesh(_metadata_mesh(metadata))
+        spec = _metadata_spec(metadata)
+        if spec is None and mesh is not None and not is_explicit(mesh):
+            spec = P()
+        check_mesh_names(spec, mesh, "the table's sharding")
+        return mesh, spec
+
+    def __call__(
+        self, inputs: jax.Array, out_sharding: Any = None, *, inputs_sharding: Any = None
+    ) -> jax.Array:
+        """Embeds the inputs along a new last axis.
+
+        Args:
+          inputs: integer ids of any shape `[*batch]`.
+          out_sharding: the output's layout (a `PartitionSpec` or `NamedSharding`); default
+            the ids' layout plus the table's hidden split. Splitting a batch axis over the
+            table's row axis gives a sequence-parallel output (`psum_scatter`).
+          inputs_sharding: the ids' layout; needed under `jit` in an Auto mesh (an Explicit
+            mesh carries it in the ids' type).
+
+        Returns:
+          `[*batch, features]` in `dtype`.
+        """
+        if not jnp.issubdtype(inputs.dtype, jnp.integer):
+            raise ValueError(
+                f"Input type must be an integer or unsigned integer, got {inputs.dtype}: cast "
+                "the ids with inputs.astype(jnp.int32)"
+            )
+        (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
+        mesh, spec = self.table_layout()
+        return embedding(
+            inputs, table, padding_idx=self.padding_idx, vocab_size=self.num_embeddings,
+            mesh=mesh, x_spec=as_spec(inputs_sharding), weight_spec=spec,
+            out_spec=as_spec(out_sharding), gradient_exchange=self.gradient_exchange,
+        )  # fmt: skip
+
+    def attend(self, query: jax.Array, out_sharding: Any = None) -> jax.Array:
+        """Logits `query @ embedding.T` over the real rows (the tied output head).
+
+        The logits of the whole vocabulary materialize: for training, `cross_entropy` gives
+        the loss without them.
+
+        Args:
+          query: `[*batch, features]`.
+          out_sharding: the logits' layout. Default: in an Explicit mesh, the query's batch
+            axes with the vocab axis whole (so `optax` losses work on the logits unchanged);
+            otherwise left to XLA, as in Flax.
+
+        Returns:
+          `[*batch, num_embeddings]`.
+        """
+        query, table = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
+        mesh, _ = self.table_layout()
+        if out_sharding is None:
+            out_sharding = out_spec_like_batch(query, mesh)
+        logits = jnp.dot(query, table.T, out_sharding=out_sharding)
+        if table.shape[0] != self.num_embeddings:
+            logits = logits[..., : self.num_embeddings]
+        return logits
+
+    def cross_entropy(
+        self,
+        query: jax.Array,
+        labels: jax.Array,
+        *,
+        label_smoothing: float = 0.0,
+        z_loss: float = 0.0,
+        ignore_index: int | None = None,
+        vocab_chunk_size: int | None = None,
+        reduction: Reduction = "none",
+        query_sharding: Any = None,
+    ) -> jax.Array:
+        """Softmax cross-entropy of `attend(query)` against labels, vocab-parallel.
+
+        Equals `optax.softmax_cross_entropy_with_integer_labels(self.attend(query), labels)`
+        (with the options below), with its gradients, but no device holds logits of more
+        than its own rows. See `jaxembed.losses.vocab_parallel_cross_entropy`.
+
+        Args:
+          query: `[*tokens, features]`, e.g. the last hidden states.
+          labels: integer `[*tokens]`.
+          label_smoothing, z_loss, ignore_index, vocab_chunk_size, reduction: see
+            `vocab_parallel_cross_entropy`.
+          query_sharding: the query's layout; needed under `jit` in an Auto mesh.
+
+        Returns:
+          float32 per-token losses `[*tokens]`, or a scalar when reduced.
+        """
+        query, table = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
+        mesh, spec = self.table_layout()
+        return vocab_parallel_cross_entropy(
+            query, table, labels, vocab_size=self.num_embeddings,
+            label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index,
+            vocab_chunk_size=vocab_chunk_size, reduction=reduction, mesh=mesh,
+            hidden_spec=as_spec(query_sharding), weight_spec=spec,
+        )  # fmt: skip
