@@ -4,6 +4,7 @@
     python examples/train_lm.py --steps 2000 --vocab 4093 --hidden 128 --blocks 4
     python examples/train_lm.py --ckpt-dir /tmp/lm --save-every 50 --stop-after 100
     python examples/train_lm.py --ckpt-dir /tmp/lm --resume --mesh data=4,model=2
+    python examples/train_lm.py --processes 2                    # 2 processes x 4 devices
 
 The corpus is a fixed random Markov chain over the vocabulary: every token has `--branching`
 successors with Dirichlet weights. Its entropy rate (nats per token) is the lowest loss any
@@ -21,7 +22,11 @@ now, which may differ from the one that saved it, and continues with the numbers
 uninterrupted run would have produced (up to float32 rounding in the collectives).
 
 Run as a script it gives the CPU platform `--devices` devices before jax is imported;
-imported, `main(argv)` runs on the devices jax already has.
+imported, `main(argv)` runs on the devices jax already has. With `--processes N` it starts
+itself N times under `jaxembed.launch` (N processes x devices/N CPU devices, one JAX
+runtime); the `data` axis then spans the processes, every process builds the same global
+batch and places only its own slice, and all of them write the orbax checkpoint together.
+On a cluster, start one copy per host the cluster's way (see docs/multihost.md).
 """
 
 from __future__ import annotations
@@ -54,9 +59,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop-after", type=int, default=None, help="stop at this step (preempt)")
     p.add_argument("--metrics-out", default=None, help="write per-step losses as JSON here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--processes", type=int, default=1, help="processes (jaxembed.launch)")
+    p.add_argument(
+        "--crash-at-step", type=int, default=None,
+        help="fault injection: --crash-process kills itself (SIGKILL) before this step",
+    )  # fmt: skip
+    p.add_argument("--crash-process", type=int, default=1)
     args = p.parse_args(argv)
     if args.resume and not args.ckpt_dir:
         p.error("--resume needs --ckpt-dir")
+    if args.processes < 1 or args.devices % args.processes:
+        p.error(f"--devices {args.devices} must split evenly over --processes {args.processes}")
     return args
 
 
@@ -70,10 +83,31 @@ def configure_host_devices(n: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def _start() -> None:
+    """Run as a script: join the launcher's runtime, or start it, or set the device count."""
+    from jaxembed import launch
+
+    args = parse_args(sys.argv[1:])
+    if launch.ENV_COORDINATOR in os.environ or launch._cluster_detected():
+        launch.initialize()  # one of several processes: the launcher (or cluster) set it up
+    elif args.processes > 1:
+        sys.exit(
+            launch.launch(
+                [os.path.abspath(__file__), *sys.argv[1:]],
+                processes=args.processes,
+                devices_per_process=args.devices // args.processes,
+            )
+        )
+    else:
+        configure_host_devices(args.devices)
+
+
 if __name__ == "__main__":
-    configure_host_devices(parse_args(sys.argv[1:]).devices)
+    _start()
 
 # ruff: noqa: E402  (jax and what imports it load after the device count is set)
+import signal
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -108,10 +142,12 @@ def make_mesh(spec: str) -> jax.sharding.Mesh:
             "script directly (it sets --devices) or set XLA_FLAGS="
             f"--xla_force_host_platform_device_count={size} before jax is imported"
         )
-    names = tuple(n for n, _ in axes)
-    return jax.make_mesh(
-        tuple(s for _, s in axes), names, axis_types=(AxisType.Explicit,) * len(axes),
-        devices=jax.devices()[:size],
+    # Devices ordered by process: the major axis (`data`) spans processes, and the minor one
+    # (`model`, which carries the forward's psum every step) stays inside a process.
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))[:size]
+    return jax.sharding.Mesh(
+        np.array(devices).reshape([s for _, s in axes]), tuple(n for n, _ in axes),
+        axis_types=(AxisType.Explicit,) * len(axes),
     )  # fmt: skip
 
 
@@ -307,8 +343,12 @@ def main(argv: list[str] | None = None) -> dict:
             restore(manager, start, model, optimizer)
         end = min(args.steps, args.stop_after or args.steps)
         t0 = time.perf_counter()
-        with _progress(args.no_progress, end - start) as advance:
+        quiet = args.no_progress or jax.process_index() != 0
+        with _progress(quiet, end - start) as advance:
             for step in range(start + 1, end + 1):  # step s trains on batch s
+                if step == args.crash_at_step and jax.process_index() == args.crash_process:
+                    print(f"process {args.crash_process}: crashing before step {step}", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
                 batch = corpus.batch(step, args.batch, args.seq)
                 oracle[step] = corpus.oracle_loss(batch)
                 tokens = shard_batch(batch, mesh)
@@ -341,7 +381,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"{corpus.entropy_rate:.4f} nats/token, uniform {metrics['uniform_loss']:.4f}); "
             f"{metrics['seconds']:.1f} s"
         )
-    if args.metrics_out:
+    metrics["processes"] = jax.process_count()
+    if args.metrics_out and jax.process_index() == 0:
         with open(args.metrics_out, "w") as f:
             json.dump(metrics, f, indent=1)
     return metrics

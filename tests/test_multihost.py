@@ -1,12 +1,15 @@
 """Two processes x 4 CPU devices under jaxembed.launch: results, faults, and bad launches."""
 
 import io
+import json
 import re
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jaxembed import launch
@@ -119,3 +122,54 @@ def test_cluster_detection(monkeypatch, env, detected):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert launch._cluster_detected() is detected
+
+
+# --- the training example across processes ---------------------------------------------------
+
+TRAIN_LM = Path(__file__).parents[1] / "examples" / "train_lm.py"
+TRAIN_FLAGS = ["--steps", "12", "--save-every", "4", "--no-progress", "--batch", "16",
+               "--seq", "32", "--vocab", "127"]  # fmt: skip
+
+
+def train(tmp_path, name, *flags):
+    """Runs examples/train_lm.py in a fresh process; returns (exit code, output, metrics)."""
+    metrics = tmp_path / f"{name}.json"
+    proc = subprocess.run(
+        [sys.executable, str(TRAIN_LM), *TRAIN_FLAGS, "--metrics-out", str(metrics), *flags],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    return proc.returncode, out, json.loads(metrics.read_text()) if metrics.exists() else None
+
+
+def test_training_across_processes_survives_a_killed_process(tmp_path):
+    # One process x 8 devices and 2 processes x 4 devices train the same numbers.
+    code, out, single = train(tmp_path, "single")
+    assert code == 0, out[-3000:]
+    code, out, multi = train(tmp_path, "multi", "--processes", "2", "--ckpt-dir", "ckpt-multi")
+    assert code == 0, out[-3000:]
+    assert multi["processes"] == 2 and single["processes"] == 1
+    np.testing.assert_allclose(
+        [multi["losses"][k] for k in single["losses"]], list(single["losses"].values()), rtol=1e-5
+    )
+
+    # Process 1 dies before step 10: process 0 stops on its own, naming the lost process.
+    code, out, _ = train(
+        tmp_path, "crashed", "--processes", "2", "--ckpt-dir", "ckpt", "--crash-at-step", "10"
+    )
+    assert code != 0
+    assert "[launch] process 1 was killed by SIGKILL" in out
+    assert re.search(r"\[launch\] process 0 (exited with code [1-9]|was killed by SIGABRT)", out)
+    assert "killing the processes still running" not in out, "process 0 hung past the grace"
+    assert re.search(r"Task 1 heartbeat timeout|unhealthy \(stopped sending heartbeats\)", out)
+
+    # The last completed checkpoint is intact: resuming from it retraces the uninterrupted run.
+    steps = sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit())
+    assert steps and steps[-1] < 10, steps  # whatever committed before the crash
+    code, out, resumed = train(
+        tmp_path, "resumed", "--processes", "2", "--ckpt-dir", "ckpt", "--resume"
+    )
+    assert code == 0, out[-3000:]
+    assert resumed["first_step"] == steps[-1] + 1
+    for step, loss in resumed["losses"].items():
+        np.testing.assert_allclose(loss, multi["losses"][step], rtol=1e-6, err_msg=step)
