@@ -20,7 +20,21 @@ __all__ = ["main", "parse_mesh", "parse_shape", "parse_spec"]
 
 
 def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """`"data=2,model=4"` -> `(("data", "model"), (2, 4))`."""
+    """Parses `--mesh`: `"data=2,model=4"` -> `(("data", "model"), (2, 4))`.
+
+    Args:
+      text: `name=size` pairs separated by commas, major axis first.
+
+    Returns:
+      `(axis_names, axis_sizes)`, ready for `jax.make_mesh(sizes, names)`.
+
+    Raises:
+      argparse.ArgumentTypeError: a pair without `=`, an empty name, or a size below 1.
+
+    Examples:
+      >>> parse_mesh("data=2,model=4")
+      (('data', 'model'), (2, 4))
+    """
     names, sizes = [], []
     for part in text.split(","):
         name, eq, size = part.partition("=")
@@ -35,7 +49,21 @@ def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
-    """`"16x128"` -> `(16, 128)`; `""` or `"scalar"` -> `()`."""
+    """Parses `--ids` and `--table`: `"16x128"` -> `(16, 128)`; `""` or `"scalar"` -> `()`.
+
+    Args:
+      text: positive sizes joined by `x` (or `X`), or `""`/`"scalar"` for rank 0.
+
+    Returns:
+      The shape as a tuple of ints.
+
+    Raises:
+      argparse.ArgumentTypeError: a size that is not a positive integer.
+
+    Examples:
+      >>> parse_shape("16x128"), parse_shape("scalar")
+      ((16, 128), ())
+    """
     if text in ("", "scalar"):
         return ()
     try:
@@ -50,9 +78,24 @@ def parse_shape(text: str) -> tuple[int, ...]:
 
 
 def parse_spec(text: str | None):
-    """`"model,None"` -> `P("model", None)`; `"data+model,None"` -> `P(("data", "model"), None)`.
+    """Parses a spec flag: `"model,None"` -> `P("model", None)`.
 
-    An empty string or `replicated` is `P()`.
+    Entries are separated by commas, one per tensor axis: a mesh axis name, `None` (also
+    `none`, `-` or empty) for a replicated axis, or names joined by `+` for an axis split
+    over several mesh axes, major first. None, an empty string or `replicated` is `P()`.
+
+    Args:
+      text: the flag's value, or None when the flag was not given.
+
+    Returns:
+      A `jax.sharding.PartitionSpec`.
+
+    Examples:
+      >>> from jax.sharding import PartitionSpec as P
+      >>> parse_spec("data+model,None") == P(("data", "model"), None)
+      True
+      >>> parse_spec("model,-") == P("model", None), parse_spec(None) == P()
+      (True, True)
     """
     from jax.sharding import PartitionSpec as P
 
@@ -146,7 +189,31 @@ def _ensure_cpu_devices(count: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `jaxembed` console script."""
+    """Entry point of the `jaxembed` console script: `plan`, `demo` or `bench`.
+
+    `plan` builds an `AbstractMesh` (no devices needed), calls `plan_embedding` and prints
+    the plan; `--host-axes` adds the bytes that cross hosts. `demo` runs
+    `jaxembed.demo.run` on `--devices` CPU devices; `bench` hands its arguments to
+    `jaxembed.bench.main`. Both ask XLA for CPU devices (8 by default), which takes
+    effect only when jax is not imported yet.
+
+    Args:
+      argv: the arguments after the program name (default `sys.argv[1:]`).
+
+    Returns:
+      The exit code: 0 on success, 2 for flags the plan rejects (the error goes to stderr),
+      or the demo's or the benchmark's own code.
+
+    Examples:
+      >>> main(["plan", "--mesh", "data=2,model=4", "--ids", "16x128", "--table", "65536x128",
+      ...       "--ids-spec", "data", "--table-spec", "model,None", "--host-axes", "data"])
+      EmbeddingPlan  mesh: data=2 x model=4
+      ...
+        wire bytes per device: forward 768.0 KiB, backward 516.0 KiB
+      ...
+        across hosts (data spans hosts): 516.0 KiB per device
+      0
+    """
     parser = argparse.ArgumentParser(
         prog="jaxembed", description="Sharded embedding lookups for JAX."
     )

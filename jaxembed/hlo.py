@@ -80,6 +80,9 @@ Groups = tuple[tuple[int, ...], ...]
 class Collective:
     """One collective of a compiled program, with its bytes on one device.
 
+    `collectives` returns one per collective instruction of an HLO module; the per-device
+    bytes make it comparable with a plan's `jaxembed.plan.Collective`.
+
     Attributes:
         kind: 'all-reduce', 'reduce-scatter', 'all-gather', 'all-to-all' or
             'collective-permute'; an async `-start` is reported under its plain kind.
@@ -93,6 +96,16 @@ class Collective:
         group_size: devices per group; for a collective-permute, the distinct devices
             named by its pairs.
         wire_bytes: bytes one device sends, ring model.
+
+    Examples:
+        An all-gather of `f32[2, 128]` blocks over groups of 4 devices:
+
+        >>> (c,) = collectives("%ag = f32[8,128]{1,0} all-gather(f32[2,128]{1,0} %x), "
+        ...                    "replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}")
+        >>> c.kind, c.dtype, c.result_shape, c.group_size
+        ('all-gather', 'f32', ((8, 128),), 4)
+        >>> c.operand_bytes, c.result_bytes, c.wire_bytes    # (n - 1) / n of the result
+        (1024, 4096, 3072.0)
     """
 
     kind: str

@@ -39,11 +39,34 @@ ENV_INIT_TIMEOUT = "JAXEMBED_INIT_TIMEOUT"
 
 
 class LaunchError(RuntimeError):
-    """The processes cannot be started or cannot form one runtime."""
+    """The processes cannot be started or cannot form one runtime.
+
+    Raised by `launch` for a bad process or device count, no command, or a coordinator port
+    in use, and by `initialize` when the processes do not add up to one runtime. `main`
+    prints its message and exits with code 2.
+
+    Examples:
+      >>> launch([], processes=1, devices_per_process=1)
+      Traceback (most recent call last):
+        ...
+      jaxembed.launch.LaunchError: no command to run: pass a script after --, e.g. -- train.py
+      --steps 10
+    """
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free now."""
+    """A TCP port on 127.0.0.1 that is free now.
+
+    The operating system picks it; another program may take it before the coordinator
+    binds it, which `launch` then reports as a failed start.
+
+    Returns:
+      The port number.
+
+    Examples:
+      >>> 0 < free_port() < 2**16
+      True
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -95,6 +118,18 @@ def initialize(
 
     Raises:
       LaunchError: a process count or device count that does not add up.
+
+    Examples:
+      The first lines of a script that runs under `launch` and on a cluster alike:
+
+      ```python
+      from jaxembed.launch import initialize
+
+      initialize()  # before anything touches jax devices
+      import jax
+
+      print(jax.process_index(), jax.device_count())  # "[p1] 1 8" under --processes 2
+      ```
     """
     import jax
 
@@ -193,7 +228,17 @@ def launch(
       The worst exit code (0 when every process succeeded; 128+N for a signal N).
 
     Raises:
-      LaunchError: a bad process or device count, or a coordinator port in use.
+      LaunchError: a bad process or device count, no command, or a coordinator port in use.
+
+    Examples:
+      Each line a process prints comes back prefixed with its process id:
+
+      >>> launch(["-c", "print('hello')"], processes=1, devices_per_process=1)
+      [p0] hello
+      0
+      >>> launch(["-c", "raise SystemExit(3)"], processes=1, devices_per_process=1)
+      [launch] process 0 exited with code 3
+      3
     """
     if processes < 1 or devices_per_process < 1:
         raise LaunchError(
@@ -290,6 +335,24 @@ def _kill(procs: Sequence[subprocess.Popen]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `python -m jaxembed.launch`: parses flags and calls `launch`.
+
+    Flags: `--processes` (default 2), `--devices-per-process` (default 4), `--port`,
+    `--grace`, `--timeout` and `--heartbeat-timeout` (seconds), then `-- SCRIPT [ARGS...]`.
+
+    Args:
+      argv: the arguments after the program name (default `sys.argv[1:]`).
+
+    Returns:
+      The exit code: `launch`'s, or 2 after printing a `LaunchError` to stderr.
+
+    Examples:
+      >>> main(["--processes", "1", "--devices-per-process", "1", "--", "-c", "print(6 * 7)"])
+      [p0] 42
+      0
+      >>> main(["--processes", "0", "--", "-c", "pass"])       # the error goes to stderr
+      2
+    """
     parser = argparse.ArgumentParser(
         prog="python -m jaxembed.launch",
         description="Run a script in several processes that form one JAX runtime on this "

@@ -43,7 +43,28 @@ DimsMapping = tuple[DimsEntry, ...]
 
 
 def axis_names_of(mesh_or_axis_names: Any) -> tuple[str, ...]:
-    """The mesh's axis names, from a `Mesh`, an `AbstractMesh` or a sequence of names."""
+    """The mesh's axis names, from a `Mesh`, an `AbstractMesh` or a sequence of names.
+
+    Every function of the bridge takes either a mesh or its axis names; this reads the
+    names, in mesh order, so that index `i` of a dims mapping means `names[i]`.
+
+    Args:
+      mesh_or_axis_names: a `jax.sharding.Mesh`, an `AbstractMesh`, or a sequence of axis
+        names such as `("data", "model")`.
+
+    Returns:
+      The axis names as a tuple of strings, in mesh order.
+
+    Raises:
+      TypeError: a single string, a non-iterable, or names that are not strings.
+
+    Examples:
+      >>> import jax
+      >>> axis_names_of(jax.make_mesh((2, 4), ("data", "model")))
+      ('data', 'model')
+      >>> axis_names_of(["data", "model"])
+      ('data', 'model')
+    """
     names = getattr(mesh_or_axis_names, "axis_names", mesh_or_axis_names)
     if isinstance(names, str) or not isinstance(names, Iterable):
         raise TypeError(
@@ -56,7 +77,31 @@ def axis_names_of(mesh_or_axis_names: Any) -> tuple[str, ...]:
 
 
 def normalize_entry(entry: Any) -> DimsEntry:
-    """`-1`, an int, or a tuple of ints; one-element tuples become ints, `()` becomes `-1`."""
+    """Puts one dims-mapping entry in canonical form.
+
+    An entry says which mesh axes split one tensor axis: `-1` (replicated), a mesh-axis
+    index, or a tuple of mesh-axis indices, major first. The canonical form has one
+    spelling per layout, so that entries compare with `==`: a one-element tuple becomes
+    its int, an empty tuple becomes `-1`, and lists become tuples.
+
+    Args:
+      entry: `-1`, a mesh-axis index `>= 0`, or a sequence of mesh-axis indices `>= 0`.
+
+    Returns:
+      `-1`, an int `>= 0`, or a tuple of at least two ints `>= 0`.
+
+    Raises:
+      TypeError: a bool, a string, or anything else that is not an int or a sequence.
+      ValueError: an int below `-1`, or a `-1` (or a nested tuple) inside a tuple.
+
+    Examples:
+      >>> normalize_entry((1,)), normalize_entry(()), normalize_entry([0, 1])
+      (1, -1, (0, 1))
+      >>> normalize_entry(-2)
+      Traceback (most recent call last):
+        ...
+      ValueError: a dims mapping entry must be -1 or a mesh axis index, got -2
+    """
     if isinstance(entry, bool):
         raise TypeError(f"a dims mapping entry must be an int or a tuple of ints, got {entry!r}")
     if isinstance(entry, int):
@@ -76,7 +121,18 @@ def normalize_entry(entry: Any) -> DimsEntry:
 
 
 def entry_mesh_axes(entry: DimsEntry) -> tuple[int, ...]:
-    """The mesh axes an entry uses, major first: `-1 -> ()`, `1 -> (1,)`, `(0, 1) -> (0, 1)`."""
+    """The mesh axes a dims-mapping entry uses, major first.
+
+    Args:
+      entry: a canonical entry (see `normalize_entry`): `-1`, an index, or a tuple.
+
+    Returns:
+      A tuple of mesh-axis indices: `()` for a replicated axis.
+
+    Examples:
+      >>> entry_mesh_axes(-1), entry_mesh_axes(1), entry_mesh_axes((0, 1))
+      ((), (1,), (0, 1))
+    """
     if isinstance(entry, tuple):
         return entry
     return () if entry == -1 else (entry,)
@@ -106,10 +162,21 @@ def to_partition_spec(
       partial_dims: mesh-axis indices holding partial sums (`unreduced` in the spec).
 
     Returns:
-      A `PartitionSpec` with one entry per tensor axis.
+      A `PartitionSpec` with one entry per tensor axis: `None` for `-1`, a mesh axis name
+      for an index, a tuple of names for a tuple; `unreduced={...}` names the partial dims.
 
     Raises:
-      ValueError: a mesh index out of range, or a mesh axis used twice.
+      ValueError: a mesh index out of range, a mesh axis used twice, or a mesh axis that
+        both splits a tensor axis and holds partial sums.
+
+    Examples:
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh_axes = ("data", "model")
+      >>> to_partition_spec(((0, 1), -1), mesh_axes) == P(("data", "model"), None)
+      True
+      >>> spec = to_partition_spec((1, -1), mesh_axes, partial_dims={0})
+      >>> spec == P("model", None, unreduced={"data"})
+      True
     """
     names = axis_names_of(mesh_or_axis_names)
     entries = [normalize_entry(e) for e in dims_mapping]
@@ -178,6 +245,15 @@ def to_dims_mapping(spec: Any, mesh_or_axis_names: Any, ndim: int) -> DimsMappin
       ValueError: an unknown mesh axis name, a mesh axis used twice, a spec longer than `ndim`,
         an UNCONSTRAINED entry.
       TypeError: an entry that is not None, a mesh axis name or a tuple of names.
+
+    Examples:
+      >>> import jax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+      >>> to_dims_mapping(P("model"), mesh, ndim=2)           # a table split by rows
+      (1, -1)
+      >>> to_dims_mapping(P(("data", "model"), None), mesh, ndim=2)
+      ((0, 1), -1)
     """
     names = axis_names_of(mesh_or_axis_names)
     parts = _spec_partitions(spec)
@@ -220,7 +296,28 @@ def to_dims_mapping(spec: Any, mesh_or_axis_names: Any, ndim: int) -> DimsMappin
 
 
 def to_partial_dims(spec: Any, mesh_or_axis_names: Any) -> frozenset[int]:
-    """The mesh-axis indices named in the spec's `unreduced` set."""
+    """Translates a `PartitionSpec`'s `unreduced` set into partial dims.
+
+    A tensor whose spec is `P(..., unreduced={"data"})` holds, on each shard, a partial
+    sum over the `data` axis; its partial dims are `{index of "data"}`.
+
+    Args:
+      spec: a `PartitionSpec` (or None, or any object without `unreduced`: no partial dims).
+      mesh_or_axis_names: a `Mesh` or the mesh's axis names, in order.
+
+    Returns:
+      The mesh-axis indices named in `spec.unreduced` (empty when there are none).
+
+    Raises:
+      ValueError: an unreduced name that is not an axis of the mesh.
+
+    Examples:
+      >>> from jax.sharding import PartitionSpec as P
+      >>> to_partial_dims(P("model", None, unreduced={"data"}), ("data", "model"))
+      frozenset({0})
+      >>> to_partial_dims(P("model", None), ("data", "model"))
+      frozenset()
+    """
     names = axis_names_of(mesh_or_axis_names)
     unreduced = getattr(spec, "unreduced", frozenset()) or frozenset()
     out = set()

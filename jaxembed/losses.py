@@ -68,6 +68,27 @@ class CrossEntropyPlan:
       rows_per_shard, chunk_rows: table rows per device, and per logits chunk.
       label_smoothing, z_loss, ignore_index: the loss's options.
       forward_rule, grad_rule: the rules' answers the plan was derived from.
+
+    Properties give derived values: `num_chunks`, `local_tokens` (tokens per device),
+    `collectives` (`(phase, op, axes, operand)` each) and `logits_block_bytes`. `str(plan)`
+    prints it as a table.
+
+    Examples:
+      >>> import jax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+      >>> plan = plan_cross_entropy(mesh, (8, 128, 64), (65536, 64), hidden_spec=P("data"),
+      ...                           weight_spec=P("model", None), vocab_chunk_size=4096)
+      >>> plan.row_axes, plan.batch_axes, plan.rows_per_shard, plan.num_chunks
+      (('model',), ('data',), 16384, 4)
+      >>> plan.out_spec == P("data", None), plan.local_tokens   # the loss f32[8, 128]
+      (True, 512)
+      >>> print(plan)
+      CrossEntropyPlan  mesh: data=2 x model=4
+      ...
+        forward  all_gather  model           softmax statistics
+        backward psum        model           hidden_grad
+        backward psum        data            table_grad
     """
 
     mesh_axes: tuple[tuple[str, int], ...]

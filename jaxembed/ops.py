@@ -24,22 +24,30 @@ from jax.sharding import PartitionSpec as P
 
 from jaxembed.plan import EmbeddingPlan, GradientExchange, plan_embedding
 
-__all__ = [
-    "check_ids",
-    "embedding",
-    "is_explicit",
-    "move",
-    "normalize_spec",
-    "resolve_mesh",
-    "spec_of",
-    "warn_if_layout_unknown",
-]
+__all__ = ["check_ids", "embedding", "resolve_mesh", "spec_of"]
 
 
 def resolve_mesh(mesh: Any = None, *arrays: Any) -> Any:
     """The mesh to run on: `mesh`, else `jax.set_mesh`'s, else one an array is laid out on.
 
-    Returns None when there is none (a single-device lookup).
+    `embedding` and `vocab_parallel_cross_entropy` call it to find their mesh when none is
+    passed. Under `jax.set_mesh` the context's `AbstractMesh` wins over the arrays' own.
+
+    Args:
+      mesh: a `Mesh` or `AbstractMesh` to use as is, or None to look for one.
+      *arrays: arrays (concrete or traced) whose `NamedSharding`, or sharding type, names
+        a mesh; the first one that does wins.
+
+    Returns:
+      The mesh, or None when there is none (a single-device lookup).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+      >>> table = jax.device_put(jnp.ones((64, 8)), NamedSharding(mesh, P("model", None)))
+      >>> resolve_mesh(None, table) is mesh, resolve_mesh(None, jnp.ones(3))
+      (True, None)
     """
     if mesh is not None:
         return mesh
@@ -64,6 +72,22 @@ def spec_of(a: Any, mesh: Any) -> P:
 
     Concrete arrays tell their `NamedSharding`; under `jit`, only Explicit mesh axes are
     visible in the type (`jax.typeof(a).sharding.spec`): in an Auto mesh pass the spec.
+
+    Args:
+      a: an array, concrete or traced (anything else reads as `P()`).
+      mesh: the mesh the layout is wanted on; a concrete array's `NamedSharding` counts
+        only when its mesh has the same axis names.
+
+    Returns:
+      The array's `PartitionSpec`, or `P()` (replicated) when it is not known.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+      >>> table = jax.device_put(jnp.ones((64, 8)), NamedSharding(mesh, P("model", None)))
+      >>> spec_of(table, mesh) == P("model", None), spec_of(jnp.ones(3), mesh) == P()
+      (True, True)
     """
     sharding = getattr(a, "sharding", None)
     if isinstance(sharding, NamedSharding) and tuple(sharding.mesh.axis_names) == tuple(
@@ -80,19 +104,19 @@ def spec_of(a: Any, mesh: Any) -> P:
 
 
 def is_explicit(mesh: Any) -> bool:
-    """Whether every axis of `mesh` is `AxisType.Explicit` (False for no mesh)."""
+    """Internal: whether every axis of `mesh` is `AxisType.Explicit` (False for no mesh)."""
     return mesh is not None and all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
 
 
 def normalize_spec(spec: P, ndim: int) -> P:
-    """`spec` with one entry per axis and one-name tuples unwrapped, for comparisons."""
+    """Internal: `spec` with one entry per axis and one-name tuples unwrapped, for comparisons."""
     parts = tuple(spec.partitions) + (None,) * (ndim - len(spec.partitions))
     parts = tuple(p[0] if isinstance(p, tuple) and len(p) == 1 else p for p in parts)
     return P(*parts, unreduced=spec.unreduced) if spec.unreduced else P(*parts)
 
 
 def move(a: jax.Array, mesh: Any, spec: P) -> jax.Array:
-    """Reshards a small operand (ids, an output, hidden states) to `spec`.
+    """Internal: reshards a small operand (ids, an output, hidden states) to `spec`.
 
     A no-op when `a` is already laid out so; otherwise XLA picks the collectives
     (`device_put` for a concrete array, `reshard` in an Explicit mesh,
@@ -108,7 +132,7 @@ def move(a: jax.Array, mesh: Any, spec: P) -> jax.Array:
 
 
 def warn_if_layout_unknown(a: Any, mesh: Any, *, function: str, arg: str, what: str) -> None:
-    """Warns when `a` is traced in an Auto mesh, where its layout is invisible."""
+    """Internal: warns when `a` is traced in an Auto mesh, where its layout is invisible."""
     if isinstance(a, jax.core.Tracer) and not is_explicit(mesh) and mesh.size > 1:
         warnings.warn(
             f"{function}() is traced in an Auto mesh without {arg}: a traced {what} does not "

@@ -44,6 +44,9 @@ _GRAD_ACCUM_BYTES = 4  # gradients accumulate in float32
 class Collective:
     """One collective of the plan, per device.
 
+    An `EmbeddingPlan` lists them in `forward` and `backward`, in the order they run; the
+    compiled program has the same collectives (`jaxembed.hlo.Collective` reads them back).
+
     Attributes:
       phase: `"forward"` or `"backward"`.
       op: `psum`, `psum_scatter`, `all_gather`, or `reshard` (left to XLA, outside the body).
@@ -54,6 +57,16 @@ class Collective:
       result_bytes: bytes of the per-device result.
       wire_bytes: bytes each device sends under the ring model (DESIGN.md).
       why: a short reason.
+
+    Examples:
+      >>> import jax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+      >>> plan = plan_embedding(mesh, (16, 128), (65536, 128),
+      ...                       x_spec=P("data", None), weight_spec=P("model", None))
+      >>> c = plan.forward[0]                      # sum the row shards of the output
+      >>> c.op, c.axes, c.operand, c.shape, c.dtype, c.wire_bytes
+      ('psum', ('model',), 'out', (8, 128, 128), 'float32', 786432.0)
     """
 
     phase: str
@@ -69,7 +82,26 @@ class Collective:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Per-device bytes of the buffers the lookup holds."""
+    """Per-device bytes of the buffers the lookup holds.
+
+    Attributes:
+      table_shard: the device's shard of the table, `[V/R, H/K]` in the table's dtype.
+      ids: the ids in the layout the kernel runs them in.
+      out: the kernel's output block, `[*batch / ids layout, H/K]`.
+      weight_grad_f32: the gradient shard, accumulated in float32.
+      exchange_buffers: the gathered ids and output gradients of the rows exchange (0 for
+        the dense exchange).
+      peak_backward: (property) `weight_grad_f32 + exchange_buffers + out`.
+
+    Examples:
+      >>> import jax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+      >>> memory = plan_embedding(mesh, (16, 128), (65536, 128), x_spec=P("data", None),
+      ...                         weight_spec=P("model", None)).memory
+      >>> memory.table_shard // 2**20, memory.out // 2**10, memory.peak_backward
+      (8, 512, 9969664)
+    """
 
     table_shard: int
     ids: int
@@ -108,6 +140,33 @@ class EmbeddingPlan:
       forward, backward: every collective, in order.
       memory: per-device buffer sizes.
       forward_rule, grad_rule: the rules' answers the plan was derived from.
+
+    Properties give derived values: `rows_per_shard`, `table_shard_shape`,
+    `batch_gathers`, `needs_out_reshard`, `forward_wire_bytes`, `backward_wire_bytes`.
+
+    Examples:
+      >>> import jax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+      >>> plan = plan_embedding(mesh, (16, 128), (65536, 128),
+      ...                       x_spec=P("data", None), weight_spec=P("model", None))
+      >>> plan.row_axes, plan.batch_axes, plan.table_shard_shape, plan.gradient_exchange
+      (('model',), ('data',), (16384, 128), 'rows')
+      >>> plan.out_spec == P("data", None, None)
+      True
+      >>> print(plan)
+      EmbeddingPlan  mesh: data=2 x model=4
+      ...
+        phase    collective    axes              operand     per-device result           wire bytes
+        forward  psum          model             out         float32[8, 128, 128]         768.0 KiB
+        backward all_gather    data              ids         int32[16, 128]                 4.0 KiB
+        backward all_gather    data              out_grad    float32[16, 128, 128]        512.0 KiB
+      ...
+
+      With `data` spanning hosts, the bytes that leave a host per device:
+
+      >>> plan.wire_bytes_over(["data"]), plan.wire_bytes_over(["model"])
+      (528384.0, 786432.0)
     """
 
     mesh_axes: tuple[tuple[str, int], ...]

@@ -93,6 +93,19 @@ def cross_entropy_forward(
     Raises:
       ValueError: ranks that do not match the mappings, a table not 2-D, a hidden size
         different from the table's, labels not shaped like hidden's tokens, partial inputs.
+
+    Examples:
+      Tokens split over mesh axes 0 and 1, vocab over mesh axis 1: the tokens give up mesh
+      axis 1 (`hidden` is gathered over it), the table stays.
+
+      >>> hidden = DistSpec((8, 16, 64), (0, 1, -1))   # f[B, S, H]
+      >>> table = DistSpec((1024, 64), (1, -1))        # f[V, H], vocab on mesh axis 1
+      >>> info = cross_entropy_forward(hidden, table)
+      >>> info.inputs[0].dims_mapping                  # the kernel's hidden layout
+      (0, -1, -1)
+      >>> loss, logits = info.outputs
+      >>> loss.dims_mapping, logits.dims_mapping       # logits [B, S, V/R] blocks
+      ((0, -1), (0, -1, 1))
     """
     hidden, table = as_dist_spec(hidden, "hidden"), as_dist_spec(table, "table")
     labels = None if labels is None else as_dist_spec(labels, "labels")
@@ -125,6 +138,15 @@ def cross_entropy_grad(
 
     Raises:
       ValueError: as for `cross_entropy_forward`.
+
+    Examples:
+      >>> hidden = DistSpec((8, 64), (0, -1))          # f[T, H], tokens on mesh axis 0
+      >>> table = DistSpec((1024, 64), (1, -1))        # f[V, H], vocab on mesh axis 1
+      >>> hidden_grad, table_grad = cross_entropy_grad(hidden, table).outputs
+      >>> hidden_grad.dims_mapping, hidden_grad.partial_dims   # partial over R
+      ((0, -1), frozenset({1}))
+      >>> table_grad.dims_mapping, table_grad.partial_dims     # table's layout, partial over B
+      ((1, -1), frozenset({0}))
     """
     forward = cross_entropy_forward(hidden, table, labels)
     hidden_k, table, labels_k = forward.inputs

@@ -43,7 +43,27 @@ VOCAB, HIDDEN = "j", "k"
 
 
 def ids_letters(ndim: int) -> str:
-    """The axis letters of ids of rank `ndim`: `a, b, c, ...` without `j` and `k`."""
+    """The axis letters of ids of rank `ndim`: `a, b, c, ...` without `j` and `k`.
+
+    The rules name the ids' axes with these letters, the table `jk` (`j` vocab, `k`
+    hidden) and the output the ids' letters plus `k`, so an ids axis never shares a letter
+    with a table axis.
+
+    Args:
+      ndim: the ids' rank, from 0 (a scalar id) to 24.
+
+    Returns:
+      A string of `ndim` distinct letters.
+
+    Raises:
+      ValueError: a rank below 0 or above 24.
+
+    Examples:
+      >>> ids_letters(2), ids_letters(0)
+      ('ab', '')
+      >>> ids_letters(10)                          # j and k are skipped
+      'abcdefghil'
+    """
     if not 0 <= ndim <= len(_IDS_ALPHABET):
         raise ValueError(f"ids of rank {ndim} are not supported (0 to {len(_IDS_ALPHABET)})")
     return _IDS_ALPHABET[:ndim]
@@ -74,9 +94,14 @@ def embedding_forward(
 ) -> SpmdInfo:
     """Forward rule of `out = weight[x]`.
 
+    The output `out[*batch, H]` takes the ids' mapping plus the table's hidden entry:
+    `x_dm + [w_dm[1]]`. Each shard of a row-split table looks up only its own rows (zeros
+    elsewhere), so `out` is partial over the mesh axes that split the rows.
+
     Args:
-      x: the ids' layout, any rank.
-      weight: the table's layout, `[vocab, hidden]`.
+      x: the ids' layout `[*batch]`, any rank: a `DistSpec`, or a
+        `(shape, dims_mapping[, partial_dims])` tuple.
+      weight: the table's layout `[vocab, hidden]`, likewise.
       padding_idx: accepted for parity with Paddle; it never changes a layout.
       sparse: accepted for parity with Paddle; it never changes a layout.
       vocab_parallel: keep the table's row split (the output is then partial over it).
@@ -89,6 +114,25 @@ def embedding_forward(
     Raises:
       ValueError: a dims mapping whose length is not its tensor's rank, a table not 2-D.
       ShardingConflictError: one mesh axis on two letters, or one letter on two mesh axes.
+
+    Examples:
+      Vocab parallel: ids split on mesh axis 1, the table's rows on mesh axis 0.
+
+      >>> x = DistSpec((4, 1024), (1, -1))           # ids i32[4, 1024]
+      >>> weight = DistSpec((512, 768), (0, -1))     # table f[512, 768]
+      >>> embedding_forward(x, weight).outputs[0]    # partial over the row axis 0
+      DistSpec(shape=(4, 1024, 768), dims_mapping=(1, -1, -1), partial_dims=frozenset({0}))
+      >>> embedding_forward(x, weight, vocab_parallel=False).inputs[1].dims_mapping
+      (-1, -1)
+
+      One mesh axis cannot split both the ids and the table's rows:
+
+      >>> embedding_forward(DistSpec((4, 1024), (0, -1)), weight)
+      Traceback (most recent call last):
+        ...
+      jaxembed.rules.engine.ShardingConflictError: Multiple tensor axes [a,j] are sharded by
+      the same mesh dimension [0] (a: x axis 0; j: weight axis 0); a mesh axis can split
+      only one of them
     """
     x, weight = as_dist_spec(x, "x"), as_dist_spec(weight, "weight")
     _check_options(padding_idx, sparse)
@@ -117,9 +161,27 @@ def embedding_reverse(
 
     Only `rank(x) == rank(out) - 1` is checked; x's and weight's own mappings are ignored.
 
+    Args:
+      x: the ids' layout `[*batch]` (only its shape is read).
+      weight: the table's layout `[vocab, hidden]` (only its shape is read).
+      out: the wanted output layout `[*batch, hidden]`, partial dims included.
+      padding_idx: accepted for parity with Paddle; it never changes a layout.
+      sparse: accepted for parity with Paddle; it never changes a layout.
+
     Returns:
       `SpmdInfo(inputs=(x, weight), outputs=(out,))` with `x = out_dm[:-1]`,
       `weight = [-1, out_dm[-1]]`, and `out` as given, partial dims included.
+
+    Raises:
+      ValueError: x's rank not out's rank minus one, or out's mapping not its rank.
+
+    Examples:
+      >>> x = DistSpec((4, 1024), (-1, -1))
+      >>> weight = DistSpec((512, 768), (-1, -1))
+      >>> out = DistSpec((4, 1024, 768), (0, -1, 1))   # batch on mesh 0, hidden on mesh 1
+      >>> x_in, w_in = embedding_reverse(x, weight, out).inputs
+      >>> x_in.dims_mapping, w_in.dims_mapping
+      ((0, -1), (-1, 1))
     """
     x, weight = as_dist_spec(x, "x"), as_dist_spec(weight, "weight")
     out = as_dist_spec(out, "out")
@@ -151,6 +213,15 @@ def embedding_grad(
     onehot(x) takes `x_dm + [row]` with `row = w_dm[0]` if `vocab_parallel` else `-1`, and
     is merged with out_grad over the shared batch letters.
 
+    Args:
+      x: the ids' layout `[*batch]`.
+      weight: the table's layout `[vocab, hidden]`.
+      out_grad: the output gradient's layout `[*batch, hidden]`.
+      padding_idx: accepted for parity with Paddle; it never changes a layout.
+      sparse: accepted for parity with Paddle; it never changes a layout.
+      vocab_parallel: keep the table's row split in the gradient (default); `False`
+        replicates the rows, as Paddle's kernel-facing rule.
+
     Returns:
       `SpmdInfo(inputs=(x, weight, out_grad), outputs=(weight_grad,))`: x and out_grad take
       the merged batch mapping; weight keeps its mapping (rows replicated unless
@@ -161,6 +232,17 @@ def embedding_grad(
       ValueError: a dims mapping whose length is not its tensor's rank, a table not 2-D,
         out_grad's rank not x's rank + 1.
       ShardingConflictError: e.g. a batch axis split over the mesh axis of the table's rows.
+
+    Examples:
+      The gradient is born in the table's layout, partial over the batch's mesh axis 1:
+
+      >>> x = DistSpec((4, 1024), (1, -1))
+      >>> weight = DistSpec((512, 768), (0, -1))
+      >>> out_grad = DistSpec((4, 1024, 768), (1, -1, -1))
+      >>> embedding_grad(x, weight, out_grad).outputs[0]
+      DistSpec(shape=(512, 768), dims_mapping=(0, -1), partial_dims=frozenset({1}))
+      >>> embedding_grad(x, weight, out_grad, vocab_parallel=False).outputs[0].dims_mapping
+      (-1, -1)
     """
     x, weight = as_dist_spec(x, "x"), as_dist_spec(weight, "weight")
     out_grad = as_dist_spec(out_grad, "out_grad")

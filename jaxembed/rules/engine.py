@@ -38,7 +38,17 @@ class ShardingConflictError(ValueError):
 
     Raised when one axis letter is split by two different mesh axes, or one mesh axis splits
     two different letters. The message names the letters, the tensor axes behind them and the
-    mesh axis.
+    mesh axis. A `ValueError`, so callers that validate layouts can catch either.
+
+    Examples:
+      >>> x = DistSpec((4, 16), (0, -1))           # ids [a, b], a on mesh axis 0
+      >>> w = DistSpec((512, 64), (0, -1))         # table [j, k], j on mesh axis 0 too
+      >>> einsum_rule("ab,jk->abk", x, w, names=("x", "w"))
+      Traceback (most recent call last):
+        ...
+      jaxembed.rules.engine.ShardingConflictError: Multiple tensor axes [a,j] are sharded by
+      the same mesh dimension [0] (a: x axis 0; j: w axis 0); a mesh axis can split only
+      one of them
     """
 
 
@@ -46,11 +56,25 @@ class ShardingConflictError(ValueError):
 class DistSpec:
     """A tensor's global shape and its layout over a mesh.
 
+    Plain, frozen data: it prints, compares and hashes. The constructor normalizes its
+    fields (`shape` to a tuple of ints, each mapping entry with `normalize_entry`,
+    `partial_dims` to a frozenset), so equal layouts compare equal however they are spelled.
+
     Attributes:
       shape: the global shape.
       dims_mapping: per tensor axis, `-1` (replicated), the index of the mesh axis that
         splits it, or a tuple of mesh-axis indices (major first).
       partial_dims: mesh axes along which every shard holds a partial sum.
+
+    Raises:
+      ValueError: a negative partial dim, or a malformed mapping entry.
+
+    Examples:
+      >>> ids = DistSpec([4, 1024], [(1,), -1])   # ids f[4, 1024], rows split on mesh axis 1
+      >>> ids
+      DistSpec(shape=(4, 1024), dims_mapping=(1, -1), partial_dims=frozenset())
+      >>> ids == DistSpec((4, 1024), (1, -1)), ids.ndim, ids.mesh_axes()
+      (True, 2, frozenset({1}))
     """
 
     shape: tuple[int, ...]
@@ -78,7 +102,24 @@ class DistSpec:
 
 @dataclasses.dataclass(frozen=True)
 class SpmdInfo:
-    """What a rule inferred: the layouts the inputs must take and the outputs' layouts."""
+    """What a rule inferred: the layouts the inputs must take and the outputs' layouts.
+
+    Every rule (`einsum_rule`, `embedding_forward`, ...) returns one. An input's layout may
+    differ from the one given: that is the layout the operation must receive it in.
+
+    Attributes:
+      inputs: one `DistSpec` per input, in the rule's argument order.
+      outputs: one `DistSpec` per output; partial dims mark outputs still to be summed.
+
+    Examples:
+      >>> a = DistSpec((8, 16), (0, 1))            # [a, b]: rows on mesh 0, columns on mesh 1
+      >>> b = DistSpec((16, 32), (-1, -1))         # [b, c]: replicated
+      >>> info = einsum_rule("ab,bc->ac", a, b)
+      >>> info.inputs[1].dims_mapping               # b's rows must follow a's columns
+      (1, -1)
+      >>> info.outputs[0]                           # b is contracted: partial over mesh 1
+      DistSpec(shape=(8, 32), dims_mapping=(0, -1), partial_dims=frozenset({1}))
+    """
 
     inputs: tuple[DistSpec, ...]
     outputs: tuple[DistSpec, ...]
@@ -107,6 +148,16 @@ def merge_letters(
     Raises:
       ShardingConflictError: a letter split by two mesh axes, or a mesh axis on two letters.
       ValueError: letters and dims mapping of different lengths.
+
+    Examples:
+      >>> merge_letters([("x", "ab", (0, -1)), ("out", "abk", (-1, 1, -1))])
+      {'a': 0, 'b': 1, 'k': -1}
+      >>> merge_letters([("x", "ab", (0, -1)), ("y", "ab", (1, -1))])
+      Traceback (most recent call last):
+        ...
+      jaxembed.rules.engine.ShardingConflictError: Tensor axis [a] is sharded by two
+      different mesh dimensions [0] and [1] (x axis 0, y axis 0); shard it over one of
+      them only
     """
     merged: dict[str, DimsEntry] = {}
     where: dict[str, list[tuple[str, int]]] = {}
@@ -147,14 +198,45 @@ def _fmt(entry: DimsEntry) -> str:
 
 
 def dims_mapping_for(letters: str, merged: Mapping[str, DimsEntry]) -> DimsMapping:
-    """Reads back a dims mapping for a letter string; unseen letters are replicated."""
+    """Reads back a dims mapping for a letter string; unseen letters are replicated.
+
+    Args:
+      letters: one letter per tensor axis, e.g. `"abk"`.
+      merged: letter -> dims entry, as `merge_letters` returns.
+
+    Returns:
+      One entry per letter: `merged[letter]`, or `-1` for a letter not in `merged`.
+
+    Examples:
+      >>> merged = merge_letters([("x", "ab", (0, -1)), ("weight", "jk", (-1, 1))])
+      >>> dims_mapping_for("abk", merged)          # the lookup's output [a, b, k]
+      (0, -1, 1)
+      >>> dims_mapping_for("z", merged)
+      (-1,)
+    """
     return tuple(merged.get(letter, -1) for letter in letters)
 
 
 def partial_dims_for(
     summed_letters: Iterable[str], merged: Mapping[str, DimsEntry]
 ) -> frozenset[int]:
-    """The mesh axes that split any of the letters an output sums away."""
+    """The mesh axes that split any of the letters an output sums away.
+
+    A contraction over a split letter leaves each shard with the sum over its own slice:
+    the output is partial over the mesh axes of that letter.
+
+    Args:
+      summed_letters: the letters that appear in the inputs but not in the output.
+      merged: letter -> dims entry, as `merge_letters` returns.
+
+    Returns:
+      The mesh-axis indices of those letters (empty when none is split).
+
+    Examples:
+      >>> merged = {"a": 0, "j": (1, 2), "k": -1}
+      >>> partial_dims_for("j", merged), partial_dims_for("k", merged)
+      (frozenset({1, 2}), frozenset())
+    """
     return frozenset(
         a for letter in summed_letters for a in entry_mesh_axes(merged.get(letter, -1))
     )
@@ -183,6 +265,19 @@ def einsum_rule(equation: str, *operands: DistSpec, names: Sequence[str] | None 
 
     Returns:
       `SpmdInfo` with the inputs' layouts and the single output's.
+
+    Raises:
+      ValueError: no `->`, a letter group per operand missing, or letters that do not
+        match an operand's rank.
+      ShardingConflictError: a letter split by two mesh axes, or a mesh axis on two letters.
+
+    Examples:
+      >>> hidden = DistSpec((8, 64), (0, -1))       # f[T, H], tokens on mesh axis 0
+      >>> table = DistSpec((1024, 64), (1, -1))     # f[V, H], vocab on mesh axis 1
+      >>> einsum_rule("ak,jk->aj", hidden, table).outputs[0]   # logits f[T, V]
+      DistSpec(shape=(8, 1024), dims_mapping=(0, 1), partial_dims=frozenset())
+      >>> einsum_rule("ak,ak->a", hidden, DistSpec((8, 64), (-1, 1))).outputs[0].partial_dims
+      frozenset({1})
     """
     lhs, arrow, out_letters = equation.replace(" ", "").partition("->")
     in_letters = lhs.split(",")
