@@ -221,11 +221,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_plan_parser(sub)
     demo = sub.add_parser("demo", help="run the lookup on 8 CPU devices and check it")
     demo.add_argument("--devices", type=int, default=8, help="CPU devices to simulate")
-    bench = sub.add_parser(
-        "bench", help="benchmark against XLA, Flax and one-hot lookups", add_help=False
+    sub.add_parser(
+        "bench", help="benchmark against XLA, Flax and one-hot lookups (jaxembed bench -h)",
+        add_help=False,
+    )  # fmt: skip
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `bench` owns its flags (argparse.REMAINDER would reject a first one like --quick).
+    args, bench_args = (
+        parser.parse_known_args(argv) if argv[:1] == ["bench"] else (parser.parse_args(argv), [])
     )
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
 
     if args.command == "plan":
         return _run_plan(args)
@@ -238,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _ensure_cpu_devices(8)
         from jaxembed import bench as bench_module
 
-        return bench_module.main(args.bench_args)
+        return bench_module.main(bench_args)
     raise AssertionError(args.command)
 
 

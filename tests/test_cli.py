@@ -89,3 +89,13 @@ def test_plan_reports_the_bytes_that_cross_hosts(capsys):
     assert "across hosts (data spans hosts): 132.0 KiB per device" in out
     with pytest.raises(ValueError, match=r"\['seq'\] are not axes of the plan's mesh"):
         plan.wire_bytes_over(["seq"])
+
+
+def test_bench_flags_reach_the_benchmark(monkeypatch):
+    """`jaxembed bench --quick ...` hands every flag, the first included, to bench.main."""
+    import jaxembed.bench
+
+    seen = []
+    monkeypatch.setattr(jaxembed.bench, "main", lambda argv: seen.append(argv) or 0)
+    assert cli.main(["bench", "--quick", "--json", "out.json"]) == 0
+    assert seen == [["--quick", "--json", "out.json"]]
