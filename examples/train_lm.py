@@ -252,12 +252,16 @@ class LanguageModel(nnx.Module):
         self.blocks = nnx.List([Block(hidden, rngs=rngs) for _ in range(blocks)])
         self.norm = nnx.RMSNorm(hidden, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array, labels: jax.Array, vocab_chunk: int | None = None):
-        h = self.embed(tokens)  # [batch, seq, hidden], tokens' layout
+    def features(self, tokens: jax.Array) -> jax.Array:
+        """The last hidden states `[batch, seq, hidden]`, laid out like the tokens."""
+        h = self.embed(tokens)
         for block in self.blocks:
             h = block(h)
+        return self.norm(h)
+
+    def __call__(self, tokens: jax.Array, labels: jax.Array, vocab_chunk: int | None = None):
         return self.embed.cross_entropy(
-            self.norm(h), labels, reduction="mean", vocab_chunk_size=vocab_chunk
+            self.features(tokens), labels, reduction="mean", vocab_chunk_size=vocab_chunk
         )
 
 

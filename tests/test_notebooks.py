@@ -34,6 +34,7 @@ EXAMPLES = ROOT / "examples"
 NOTEBOOKS = [
     "01_sharding_rules.ipynb",
     "02_shard_map_embedding.ipynb",
+    "03_flax_training.ipynb",
 ]
 
 CELL_TIMEOUT_S = 180  # per cell; a whole small run takes seconds
