@@ -1,0 +1,414 @@
+"""Running one benchmark case: compile, read the HLO, check against the dense reference, time.
+
+`run_case` returns a plain-data record (JSON-ready) of one case: for every implementation its
+status, its collectives from the compiled HLO, its memory from `memory_analysis()`, its
+compile time, whether its numbers match the dense reference and its step times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import AxisType, NamedSharding
+
+import jaxembed
+from jaxembed import hlo
+from jaxembed._bench_cases import Case, minimum_wire_bytes, spec_text
+from jaxembed._bench_impls import Program, build, make_mesh, make_step, update_floor
+
+__all__ = ["TimingPolicy", "dense_reference", "run_case"]
+
+_ERROR_CHARS = 400  # an error message is cut to this many characters in the record
+
+
+@dataclasses.dataclass(frozen=True)
+class TimingPolicy:
+    """How long to time each implementation of a case.
+
+    Attributes:
+      repeats: interleaved rounds; each round runs every implementation once.
+      warmup: untimed calls per implementation after the checked first call.
+      settle: untimed calls of an implementation right before each timed one, so that a
+        sample measures the step in a training loop (warm caches, its own buffers) and not
+        the aftermath of whichever implementation ran before it.
+      min_samples: every implementation gets at least this many samples...
+      max_seconds: ...and then none after it has spent this long in timed calls.
+      max_run_bytes: programs whose buffers over all devices exceed this are compiled and
+        measured from their HLO, but not run.
+    """
+
+    repeats: int = 30
+    warmup: int = 2
+    settle: int = 1
+    min_samples: int = 5
+    max_seconds: float = 10.0
+    max_run_bytes: int = 3 * 2**30
+
+
+def dense_reference(
+    table: np.ndarray, ids: np.ndarray, ct: np.ndarray, learning_rate: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """The lookup's output and the table after one SGD step, on the host in float64.
+
+    Args:
+      table: `[V, H]`. ids: `[*batch]`, all in range. ct: the output's cotangent.
+      learning_rate: SGD's.
+
+    Returns:
+      `(out, new_table)`.
+    """
+    table64 = table.astype(np.float64)
+    grad = np.zeros_like(table64)
+    np.add.at(grad, ids.reshape(-1), ct.reshape(-1, table.shape[1]).astype(np.float64))
+    return table64[ids], table64 - learning_rate * grad
+
+
+@dataclasses.dataclass
+class _Ready:
+    """A compiled step and the state it runs on."""
+
+    program: Program
+    step: Any
+    params: Any
+    opt_state: Any
+    ids: Any
+    ct: Any
+
+    def __call__(self) -> Any:
+        self.params, self.opt_state, out = self.step(self.params, self.opt_state, self.ids, self.ct)
+        jax.block_until_ready((self.params, out))
+        return out
+
+
+def _error(stage: str, err: BaseException) -> dict[str, Any]:
+    message = " ".join(str(err).split())
+    if len(message) > _ERROR_CHARS:
+        message = message[: _ERROR_CHARS - 3] + "..."
+    return {"status": "error", "stage": stage, "error_type": type(err).__name__, "error": message}
+
+
+def _collective_record(c: hlo.Collective, mesh: Any) -> dict[str, Any]:
+    shape = ",".join(f"[{','.join(map(str, dims))}]" for dims in c.result_shape)
+    return {
+        "kind": c.kind,
+        "mesh_axes": list(hlo.mesh_axes(c, mesh)),
+        "shape": f"{c.dtype}{shape}",
+        "result_bytes": int(c.result_bytes),
+        "wire_bytes": float(c.wire_bytes),
+    }
+
+
+def _memory_record(compiled: Any) -> dict[str, int]:
+    analysis = compiled.memory_analysis()
+    fields = {
+        "temp_bytes": "temp_size_in_bytes",
+        "argument_bytes": "argument_size_in_bytes",
+        "output_bytes": "output_size_in_bytes",
+        "alias_bytes": "alias_size_in_bytes",
+        "code_bytes": "generated_code_size_in_bytes",
+    }
+    return {key: int(getattr(analysis, attr, 0) or 0) for key, attr in fields.items()}
+
+
+def _compile(
+    name: str,
+    case: Case,
+    host: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+    optimizer: optax.GradientTransformation,
+) -> tuple[dict[str, Any], _Ready | None]:
+    """Builds and compiles one implementation; errors are results, not exceptions."""
+    table, ids, ct = host if host is not None else (None, None, None)
+    try:
+        program = build(name, case, table)
+    except Exception as err:  # Flax raising while it builds its module is a result
+        return _error("build", err), None
+    try:
+        step, ids_sharding, out_sharding = make_step(program, optimizer, case.layout)
+        opt_state = optimizer.init(program.params)
+        if host is None:
+            ids_arg = jax.ShapeDtypeStruct(case.ids_shape, np.int32, sharding=ids_sharding)
+            ct_arg = jax.ShapeDtypeStruct(
+                case.out_shape, np.dtype(case.dtype), sharding=out_sharding
+            )
+        else:
+            ids_arg = jax.device_put(ids, ids_sharding)
+            ct_arg = jax.device_put(ct.astype(case.dtype), out_sharding)
+        start = time.perf_counter()
+        with jax.set_mesh(program.mesh):
+            compiled = step.lower(program.params, opt_state, ids_arg, ct_arg).compile()
+        compile_s = time.perf_counter() - start
+    except Exception as err:  # e.g. ShardingTypeError from Flax in an Explicit mesh
+        return _error("compile", err), None
+    text = compiled.as_text()
+    found = [_collective_record(c, program.mesh) for c in hlo.collectives(text)]
+    largest = max(found, key=lambda c: c["result_bytes"], default=None)
+    result: dict[str, Any] = {
+        "status": "compiled",
+        "mesh_axis_types": str(program.mesh.axis_types[0]).rsplit(".", 1)[-1],
+        "compile_time_in_s": round(compile_s, 4),
+        "wire_bytes": float(sum(c["wire_bytes"] for c in found)),
+        "largest_collective": largest,
+        "collectives": found,
+        **_memory_record(compiled),
+    }
+    ready = None
+    if host is not None:
+        ready = _Ready(program, compiled, program.params, opt_state, ids_arg, ct_arg)
+    return result, ready
+
+
+def _run_bytes(result: dict[str, Any], num_devices: int) -> int:
+    per_device = (
+        result["temp_bytes"] + result["argument_bytes"] + result["output_bytes"]
+        - result["alias_bytes"]
+    )  # fmt: skip
+    return per_device * num_devices
+
+
+def _check(ready: _Ready, reference: tuple[np.ndarray, np.ndarray]) -> dict[str, Any]:
+    """Runs the compiled step once and compares its output and new table to the reference."""
+    ref_out, ref_table = reference
+    out = ready()
+    new_table = np.asarray(ready.program.table_of(ready.params), np.float64)
+    out_err = float(np.max(np.abs(np.asarray(out, np.float64) - ref_out), initial=0.0))
+    table_err = float(np.max(np.abs(new_table - ref_table), initial=0.0))
+    agrees = bool(
+        np.allclose(np.asarray(out, np.float64), ref_out, rtol=1e-5, atol=1e-5)
+        and np.allclose(new_table, ref_table, rtol=1e-5, atol=1e-5)
+    )
+    return {
+        "agrees_with_reference": agrees,
+        "max_abs_error_out": out_err,
+        "max_abs_error_table": table_err,
+    }
+
+
+def _time_interleaved(
+    runners: dict[str, Callable[[], Any]], policy: TimingPolicy
+) -> dict[str, list[float]]:
+    """Times the runners in rounds, each round in a rotated order; seconds per call.
+
+    In a round each runner is called `settle` times untimed, then once timed.
+    """
+    names = list(runners)
+    for _ in range(policy.warmup):
+        for name in names:
+            runners[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    spent = dict.fromkeys(names, 0.0)
+    for round_ in range(policy.repeats):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            if len(samples[name]) >= policy.min_samples and spent[name] > policy.max_seconds:
+                continue
+            for _ in range(policy.settle):
+                runners[name]()
+            start = time.perf_counter()
+            runners[name]()
+            elapsed = time.perf_counter() - start
+            samples[name].append(elapsed)
+            spent[name] += elapsed
+    return samples
+
+
+def _time_record(seconds: Sequence[float]) -> dict[str, Any]:
+    ms = np.asarray(seconds) * 1e3
+    return {
+        "time_median_in_ms": round(float(np.median(ms)), 4),
+        "time_p90_in_ms": round(float(np.percentile(ms, 90)), 4),
+        "time_min_in_ms": round(float(np.min(ms)), 4),
+        "time_samples_in_ms": [round(float(t), 3) for t in ms],
+    }
+
+
+def _plan_record(case: Case) -> dict[str, Any]:
+    """What jaxembed's plan says it will move, to compare with its compiled HLO."""
+    layout = case.layout
+    try:
+        mesh = jax.sharding.AbstractMesh(
+            layout.mesh_shape, layout.mesh_axes,
+            axis_types=(AxisType.Explicit,) * len(layout.mesh_shape),
+        )  # fmt: skip
+        plan = jaxembed.plan_embedding(
+            mesh, case.ids_shape, case.table_shape, x_spec=layout.ids_spec,
+            weight_spec=layout.table_spec, out_spec=layout.out_spec, dtype=case.dtype,
+        )  # fmt: skip
+    except Exception as err:
+        return _error("plan", err)
+    return {
+        "gradient_exchange": plan.gradient_exchange,
+        "exchange_reason": plan.exchange_reason,
+        "forward_wire_bytes": float(plan.forward_wire_bytes),
+        "backward_wire_bytes": float(plan.backward_wire_bytes),
+        "wire_bytes": float(plan.forward_wire_bytes + plan.backward_wire_bytes),
+        "rows_exchange_bytes": float(plan.rows_exchange_bytes),
+        "dense_exchange_bytes": float(plan.dense_exchange_bytes),
+        "collectives": [_plan_collective(c) for c in (*plan.forward, *plan.backward)],
+    }
+
+
+def _plan_collective(c: Any) -> dict[str, Any]:
+    return {
+        "phase": c.phase,
+        "op": c.op,
+        "axes": list(c.axes),
+        "operand": c.operand,
+        "wire_bytes": float(c.wire_bytes),
+    }
+
+
+def _host_inputs(case: Case, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    table = rng.standard_normal(case.table_shape, dtype=np.float32).astype(case.dtype)
+    ids = rng.integers(0, case.vocab, size=case.ids_shape, dtype=np.int32)
+    ct = rng.standard_normal(case.out_shape, dtype=np.float32)
+    return table, ids, ct
+
+
+def _floor_runner(case: Case, optimizer: optax.GradientTransformation) -> Callable[[], Any]:
+    """Times the optimizer update alone on the case's table layout (the shared floor)."""
+    sharding = NamedSharding(make_mesh(case.layout, AxisType.Explicit), case.layout.table_spec)
+    grads = jax.device_put(np.full(case.table_shape, 1e-3, np.float32), sharding)
+    state = {"table": jax.device_put(np.zeros(case.table_shape, np.float32), sharding)}
+    state["opt"] = optimizer.init(state["table"])
+    compiled = update_floor(sharding, optimizer).lower(state["table"], state["opt"], grads)
+    compiled = compiled.compile()
+
+    def run() -> None:
+        state["table"], state["opt"] = compiled(state["table"], state["opt"], grads)
+        jax.block_until_ready(state["table"])
+
+    return run
+
+
+def run_case(
+    case: Case,
+    implementations: Sequence[str],
+    *,
+    execute: bool,
+    timing: TimingPolicy | None,
+    learning_rate: float = 0.1,
+    seed: int = 0,
+    on_compiled: Callable[[str], None] | None = None,
+    on_phase: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Compiles, checks and times every implementation of one case.
+
+    Args:
+      case: the case.
+      implementations: names from `jaxembed._bench_impls.KNOWN`; `jaxembed` first is the
+        baseline of the time ratios.
+      execute: run the steps (check, and time when `timing` is given); False compiles only,
+        on abstract inputs, so no table is allocated.
+      timing: how to time; None: do not time.
+      learning_rate: SGD's, in every implementation.
+      seed: of the random table, ids and cotangent.
+      on_compiled: called with each implementation's name once it is compiled.
+      on_phase: called with `"checking"` and `"timing"` as those phases start.
+
+    Returns:
+      The case's record (JSON-ready).
+    """
+    layout = case.layout
+    optimizer = optax.sgd(learning_rate)
+    record: dict[str, Any] = {
+        "name": case.name,
+        "layout": layout.name,
+        "description": layout.description,
+        "tag": case.tag,
+        "mesh": dict(zip(layout.mesh_axes, layout.mesh_shape, strict=True)),
+        "vocab": case.vocab,
+        "hidden": case.hidden,
+        "ids_shape": list(case.ids_shape),
+        "dtype": case.dtype,
+        "table_spec": spec_text(layout.table_spec),
+        "ids_spec": spec_text(layout.ids_spec),
+        "out_spec": spec_text(layout.out_spec),
+        "minimum_wire_bytes": minimum_wire_bytes(case),
+        "plan": _plan_record(case),
+        "implementations": {},
+    }
+    host = _host_inputs(case, seed) if execute else None
+    readies: dict[str, _Ready] = {}
+    for name in implementations:
+        result, ready = _compile(name, case, host, optimizer)
+        if ready is not None:
+            need = _run_bytes(result, layout.num_devices)
+            if need > (timing.max_run_bytes if timing else 3 * 2**30):
+                result["not_run"] = (
+                    f"needs {need / 2**30:.2f} GiB over {layout.num_devices} devices, "
+                    "more than this run allows (max_run_bytes)"
+                )
+                ready = None
+            else:
+                readies[name] = ready
+        record["implementations"][name] = result
+        if on_compiled is not None:
+            on_compiled(name)
+    phase = on_phase or (lambda _: None)
+    if host is not None and readies:
+        phase("checking")
+        reference = dense_reference(host[0], host[1], host[2], learning_rate)
+        for name, ready in readies.items():
+            record["implementations"][name].update(_check(ready, reference))
+            record["implementations"][name]["status"] = "ok"
+        if timing is not None:
+            phase("timing")
+            runners: dict[str, Callable[[], Any]] = dict(readies)
+            runners["update-floor"] = _floor_runner(case, optimizer)
+            samples = _time_interleaved(runners, timing)
+            for name in readies:
+                record["implementations"][name].update(_time_record(samples[name]))
+            record["update_floor"] = _time_record(samples["update-floor"])
+    _add_ratios(record)
+    return record
+
+
+def _median(result: dict[str, Any] | None) -> float | None:
+    if not result or result.get("status") != "ok" or "time_median_in_ms" not in result:
+        return None
+    if not result.get("agrees_with_reference", False):
+        return None
+    return result["time_median_in_ms"]
+
+
+def _add_ratios(record: dict[str, Any]) -> None:
+    """Time ratios to jaxembed, and jaxembed's bytes against the minimum and XLA."""
+    impls = record["implementations"]
+    base = impls.get("jaxembed")
+    base_time = _median(base)
+    for result in impls.values():
+        t = _median(result)
+        if t is not None and base_time:
+            result["time_ratio_to_jaxembed"] = round(t / base_time, 4)
+    summary: dict[str, Any] = {}
+    if base and "wire_bytes" in base:
+        minimum = record["minimum_wire_bytes"]["total"]
+        summary["jaxembed_wire_bytes"] = base["wire_bytes"]
+        summary["jaxembed_wire_ratio_to_minimum"] = (
+            round(base["wire_bytes"] / minimum, 4) if minimum else
+            (1.0 if base["wire_bytes"] == 0 else None)
+        )  # fmt: skip
+        xla = impls.get("xla", {})
+        if "wire_bytes" in xla:
+            summary["jaxembed_wire_ratio_to_xla"] = (
+                round(base["wire_bytes"] / xla["wire_bytes"], 4) if xla["wire_bytes"] else
+                (1.0 if base["wire_bytes"] == 0 else None)
+            )  # fmt: skip
+    alternatives = {n: _median(r) for n, r in impls.items() if not n.startswith("jaxembed")}
+    alternatives = {n: t for n, t in alternatives.items() if t is not None}
+    if base_time and alternatives:
+        best = min(alternatives, key=alternatives.get)
+        summary["best_alternative"] = best
+        summary["jaxembed_time_ratio_to_best_alternative"] = round(
+            base_time / alternatives[best], 4
+        )
+        if "xla" in alternatives:
+            summary["jaxembed_time_ratio_to_xla"] = round(base_time / alternatives["xla"], 4)
+    record["summary"] = summary
