@@ -25,9 +25,9 @@ from jaxembed.nnx import (
     as_spec,
     check_mesh_names,
     current_mesh,
-    out_spec_like_batch,
     pad_rows,
     padded_rows,
+    tied_logits,
 )
 from jaxembed.ops import embedding, is_explicit
 
@@ -189,13 +189,7 @@ class Embed(nn.Module):
           `[*batch, num_embeddings]`.
         """
         query, table = self.promote_dtype(query, self.embedding, dtype=self.dtype)
-        mesh, _ = self.table_layout()
-        if out_sharding is None:
-            out_sharding = out_spec_like_batch(query, mesh)
-        logits = jnp.dot(query, table.T, out_sharding=out_sharding)
-        if table.shape[0] != self.num_embeddings:
-            logits = logits[..., : self.num_embeddings]
-        return logits
+        return tied_logits(query, table, self.num_embeddings, self.table_layout()[0], out_sharding)
 
     def cross_entropy(
         self,
@@ -227,8 +221,8 @@ class Embed(nn.Module):
         query, table = self.promote_dtype(query, self.embedding, dtype=self.dtype)
         mesh, spec = self.table_layout()
         return vocab_parallel_cross_entropy(
-            query, table, labels, vocab_size=self.num_embeddings,
-            label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index,
-            vocab_chunk_size=vocab_chunk_size, reduction=reduction, mesh=mesh,
+            query, table, labels, vocab_size=self.num_embeddings, mesh=mesh,
             hidden_spec=as_spec(query_sharding), weight_spec=spec,
+            label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index,
+            vocab_chunk_size=vocab_chunk_size, reduction=reduction,
         )  # fmt: skip

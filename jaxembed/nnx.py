@@ -130,6 +130,22 @@ def _metadata_mesh(metadata: Mapping[str, Any]) -> Any:
 # --- the module --------------------------------------------------------------------------
 
 
+def tied_logits(
+    query: jax.Array, table: jax.Array, num_embeddings: int, mesh: Any, out_sharding: Any
+) -> jax.Array:
+    """`query @ table.T` over the real rows: the body of both modules' `attend`.
+
+    Internal. The logits take `out_sharding`, by default the query's batch axes with the
+    vocab axis whole (an Explicit mesh needs it said); padding rows are cut off.
+    """
+    if out_sharding is None:
+        out_sharding = out_spec_like_batch(query, mesh)
+    logits = jnp.dot(query, table.T, out_sharding=out_sharding)
+    if table.shape[0] != num_embeddings:
+        logits = logits[..., :num_embeddings]
+    return logits
+
+
 class Embed(nnx.Module):
     """An embedding table whose lookup and tied head run sharded, as Flax's `nnx.Embed`.
 
@@ -288,13 +304,7 @@ class Embed(nnx.Module):
           `[*batch, num_embeddings]`.
         """
         query, table = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
-        mesh, _ = self.table_layout()
-        if out_sharding is None:
-            out_sharding = out_spec_like_batch(query, mesh)
-        logits = jnp.dot(query, table.T, out_sharding=out_sharding)
-        if table.shape[0] != self.num_embeddings:
-            logits = logits[..., : self.num_embeddings]
-        return logits
+        return tied_logits(query, table, self.num_embeddings, self.table_layout()[0], out_sharding)
 
     def cross_entropy(
         self,
@@ -327,8 +337,8 @@ class Embed(nnx.Module):
         query, table = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
         mesh, spec = self.table_layout()
         return vocab_parallel_cross_entropy(
-            query, table, labels, vocab_size=self.num_embeddings,
-            label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index,
-            vocab_chunk_size=vocab_chunk_size, reduction=reduction, mesh=mesh,
+            query, table, labels, vocab_size=self.num_embeddings, mesh=mesh,
             hidden_spec=as_spec(query_sharding), weight_spec=spec,
+            label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index,
+            vocab_chunk_size=vocab_chunk_size, reduction=reduction,
         )  # fmt: skip
