@@ -168,14 +168,15 @@ def _run_plan(args: argparse.Namespace) -> int:
     print(plan)
     host_axes = [a for a in args.host_axes.split(",") if a]
     if host_axes:
-        from jaxembed.plan import _fmt_bytes
+        from jaxembed.plan import format_bytes
 
         try:
             over = plan.wire_bytes_over(host_axes)
         except ValueError as e:
             print(f"jaxembed plan: error: {e}", file=sys.stderr)
             return 2
-        print(f"  across hosts ({','.join(host_axes)} spans hosts): {_fmt_bytes(over)} per device")
+        spans = ",".join(host_axes)
+        print(f"  across hosts ({spans} spans hosts): {format_bytes(over)} per device")
     return 0
 
 

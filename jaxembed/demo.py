@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxembed import hlo
 from jaxembed.ops import embedding
-from jaxembed.plan import _fmt_bytes, plan_embedding
+from jaxembed.plan import format_bytes, plan_embedding
 
 __all__ = ["LAYOUTS", "run"]
 
@@ -154,7 +154,7 @@ def run(vocab: int = VOCAB, hidden: int = HIDDEN, ids_shape=IDS_SHAPE) -> int:
         xla_bytes = hlo.total_wire_bytes(theirs.as_text())
         print(
             f"  check vs dense lookup: {'ok' if ok else 'MISMATCH'}; compiled wire bytes "
-            f"{_fmt_bytes(ours_bytes)} (XLA jnp.take: {_fmt_bytes(xla_bytes)}"
+            f"{format_bytes(ours_bytes)} (XLA jnp.take: {format_bytes(xla_bytes)}"
             f"{'' if xla_ok else ', wrong values'})\n"
         )
         rows.append((name, ok, ours_bytes, xla_bytes))
@@ -163,8 +163,8 @@ def run(vocab: int = VOCAB, hidden: int = HIDDEN, ids_shape=IDS_SHAPE) -> int:
     for name, ok, ours_bytes, xla_bytes in rows:
         ratio = f"{ours_bytes / xla_bytes:.2f}" if xla_bytes else "-"
         print(
-            f"{name:<40}{'ok' if ok else 'FAIL':>8}{_fmt_bytes(ours_bytes):>14}"
-            f"{_fmt_bytes(xla_bytes):>14}{ratio:>8}"
+            f"{name:<40}{'ok' if ok else 'FAIL':>8}{format_bytes(ours_bytes):>14}"
+            f"{format_bytes(xla_bytes):>14}{ratio:>8}"
         )
     print(f"\nwire bytes per device per training step (forward + backward), "
           f"read from the compiled HLO; {time.perf_counter() - start:.1f} s")  # fmt: skip

@@ -34,7 +34,14 @@ from jax.sharding import PartitionSpec as P
 from jaxembed import layout, rules
 from jaxembed.layout import entry_mesh_axes
 
-__all__ = ["Collective", "EmbeddingPlan", "MemoryEstimate", "plan_embedding"]
+__all__ = [
+    "Collective",
+    "EmbeddingPlan",
+    "MemoryEstimate",
+    "format_bytes",
+    "format_plan",
+    "plan_embedding",
+]
 
 GradientExchange = Literal["auto", "dense", "rows"]
 _GRAD_ACCUM_BYTES = 4  # gradients accumulate in float32
@@ -558,9 +565,23 @@ def _plan_cached(
     grad_shard_shape = (num_rows // math.prod(sizes[a] for a in row_axes), out_local[-1])
     grad_shard = math.prod(grad_shard_shape) * _GRAD_ACCUM_BYTES
     dense_bytes = _ring_all_reduce(nb, grad_shard)
-    gathered_ids = math.prod(ids_local) * nb * e_ids
-    gathered_grad = math.prod(out_local) * nb * e
-    rows_bytes = _ring_all_gather(nb, gathered_ids) + _ring_all_gather(nb, gathered_grad)
+    # The rows exchange gathers ids and out_grad one split ids axis at a time, as the body does.
+    rows_gathers: list[Collective] = []
+    ids_shape, grad_shape = list(ids_local), list(out_local)
+    for dim, axes in ((d, e) for d, e in enumerate(ids_entries) if e):
+        k = math.prod(sizes[a] for a in axes)
+        ids_shape[dim] *= k
+        grad_shape[dim] *= k
+        why = f"rows exchange: gather the batch's ids axis {dim} before the scatter-add"
+        wire = _ring_all_gather(k, math.prod(ids_shape) * e_ids)
+        rows_gathers.append(
+            collective("backward", "all_gather", axes, "ids", ids_shape, ids_dtype, wire, why)
+        )
+        wire = _ring_all_gather(k, math.prod(grad_shape) * e)
+        rows_gathers.append(
+            collective("backward", "all_gather", axes, "out_grad", grad_shape, dtype, wire, why)
+        )
+    rows_bytes = sum(c.wire_bytes for c in rows_gathers)
     if not batch_axes:
         exchange, reason = "none", "the ids are not split: every device sees the whole batch"
     elif gradient_exchange != "auto":
@@ -568,29 +589,19 @@ def _plan_cached(
     elif rows_bytes <= dense_bytes:
         exchange = "rows"
         reason = (
-            f"rows {_fmt_bytes(rows_bytes)} <= dense {_fmt_bytes(dense_bytes)}: the batch's "
+            f"rows {format_bytes(rows_bytes)} <= dense {format_bytes(dense_bytes)}: the batch's "
             "ids and output gradients are smaller than the gradient shard"
         )
     else:
         exchange = "dense"
         reason = (
-            f"dense {_fmt_bytes(dense_bytes)} < rows {_fmt_bytes(rows_bytes)}: the batch's "
+            f"dense {format_bytes(dense_bytes)} < rows {format_bytes(rows_bytes)}: the batch's "
             "output gradients outweigh the gradient shard"
         )
-    gathered_grad_shape = (*x_shape, out_local[-1])
     exchange_buffers = 0
-    if exchange == "rows":
-        why = "rows exchange: every device scatter-adds the whole batch into its own shard"
-        wire = _ring_all_gather(nb, gathered_ids)
-        backward.append(
-            collective("backward", "all_gather", batch_axes, "ids", x_shape, ids_dtype, wire, why)
-        )
-        wire = _ring_all_gather(nb, gathered_grad)
-        backward.append(collective(
-            "backward", "all_gather", batch_axes, "out_grad", gathered_grad_shape, dtype, wire,
-            "rows exchange",
-        ))  # fmt: skip
-        exchange_buffers = gathered_ids + math.prod(gathered_grad_shape) * _GRAD_ACCUM_BYTES
+    if exchange == "rows":  # every device scatter-adds the whole batch into its own shard
+        backward.extend(rows_gathers)
+        exchange_buffers = math.prod(x_shape) * e_ids + math.prod(grad_shape) * _GRAD_ACCUM_BYTES
     elif exchange == "dense":
         backward.append(collective(
             "backward", "psum", batch_axes, "weight_grad", grad_shard_shape, "float32",
@@ -639,7 +650,12 @@ def _named(dims_mapping, names) -> list[tuple[str, ...]]:
     return [tuple(names[a] for a in entry_mesh_axes(e)) for e in dims_mapping]
 
 
-def _fmt_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """Bytes for people: `512 B`, `4.0 KiB`, `1.3 MiB`, `2.0 GiB`.
+
+    >>> format_bytes(1536), format_bytes(3 * 2**20)
+    ('1.5 KiB', '3.0 MiB')
+    """
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -674,18 +690,19 @@ def format_plan(plan: EmbeddingPlan) -> str:
         res = f"{c.dtype}{list(c.shape)}"
         lines.append(
             f"  {c.phase:<9}{c.op:<14}{','.join(c.axes) or '-':<18}{c.operand:<12}{res:<26}"
-            f"{_fmt_bytes(c.wire_bytes):>12}"
+            f"{format_bytes(c.wire_bytes):>12}"
         )
     if not plan.forward and not plan.backward:
         lines.append("  (no collectives)")
     m = plan.memory
     lines += [
         "",
-        f"  wire bytes per device: forward {_fmt_bytes(plan.forward_wire_bytes)}, "
-        f"backward {_fmt_bytes(plan.backward_wire_bytes)}",
+        f"  wire bytes per device: forward {format_bytes(plan.forward_wire_bytes)}, "
+        f"backward {format_bytes(plan.backward_wire_bytes)}",
         f"  gradient exchange: {plan.gradient_exchange} ({plan.exchange_reason})",
-        f"  memory per device: table shard {_fmt_bytes(m.table_shard)}, ids {_fmt_bytes(m.ids)}, "
-        f"out {_fmt_bytes(m.out)}, weight_grad f32 {_fmt_bytes(m.weight_grad_f32)}, "
-        f"exchange buffers {_fmt_bytes(m.exchange_buffers)}",
+        f"  memory per device: table shard {format_bytes(m.table_shard)}, "
+        f"ids {format_bytes(m.ids)}, out {format_bytes(m.out)}, "
+        f"weight_grad f32 {format_bytes(m.weight_grad_f32)}, "
+        f"exchange buffers {format_bytes(m.exchange_buffers)}",
     ]
     return "\n".join(lines)

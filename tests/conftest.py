@@ -5,10 +5,19 @@ this file and before any module that imports jax; it is checked again here so th
 run from another root fails loudly instead of running on one device.
 """
 
+import os
+
 import jax
 import numpy as np
 import pytest
+from hypothesis import settings
 from jax.sharding import AxisType
+
+# CI runs the property tests on hypothesis's fixed seed, so that a red run is reproducible and
+# never a fresh draw; locally every run explores new examples.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 assert len(jax.devices()) == 8, (
     "tests need 8 CPU devices: set XLA_FLAGS=--xla_force_host_platform_device_count=8 "

@@ -5,6 +5,8 @@ gradient for a random cotangent (float32 sums in another order: allclose), with 
 vocabulary, a padding_idx and out-of-range ids mixed into the batch.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,6 +85,7 @@ def run_lookup(mesh, ids, table, ct, *, x_spec, weight_spec, out_spec, **kwargs)
 # (mesh shape, table spec, ids spec, out spec, ids shape)
 LAYOUTS = {
     "replicated-table": ((2, 4), P(), P("data"), None, IDS_SHAPE),
+    "replicated-table-ids-2d": ((2, 4), P(), P("data", "model"), None, IDS_SHAPE),
     "rows": ((2, 4), P("model", None), P("data"), None, IDS_SHAPE),
     "rows-seq-split-out": ((2, 4), P("model", None), P("data"), P("data", "model", None), IDS_SHAPE),
     "rows-batch-split-out": ((2, 4), P("model", None), P("data"), P("model", None, None), IDS_SHAPE),
@@ -271,7 +274,11 @@ def test_single_device_without_a_mesh():
     np.testing.assert_allclose(vjp(ct)[0], ref_grad, rtol=1e-5, atol=1e-6)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=int(os.environ.get("JAXEMBED_LAYOUT_EXAMPLES", "25")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(data=st.data())
 def test_random_layouts(data):
     """Random table, ids and output layouts on (2, 4): valid ones match the dense lookup."""
