@@ -30,6 +30,7 @@ __all__ = [
     "compiled_hlo",
     "largest_collective",
     "mesh_axes",
+    "ring_wire_bytes",
     "summarize",
     "total_wire_bytes",
 ]
@@ -354,7 +355,7 @@ def _collective(
     else:
         groups = _replica_groups(_attribute(attrs, "replica_groups"), line, num_devices)
         group_size = len(groups[0])
-        wire = _wire_bytes(kind, group_size, result_bytes)
+        wire = ring_wire_bytes(kind, group_size, result_bytes)
     if operand is not None:
         operand_bytes = _nbytes(_arrays(operand, line), line)
     else:
@@ -375,8 +376,19 @@ def _collective(
     )
 
 
-def _wire_bytes(kind: str, n: int, result_bytes: int) -> float:
-    """Ring-model bytes that one device sends for a collective over a group of n."""
+def ring_wire_bytes(kind: str, n: int, result_bytes: float) -> float:
+    """Ring-model bytes that one device sends for a collective over a group of `n`.
+
+    DESIGN.md's model, the one source of it for the plan and for the HLO reader: all-reduce
+    of N bytes 2(n-1)/n·N; reduce-scatter to an N-byte result (n-1)·N; all-gather to an
+    N-byte result and all-to-all (n-1)/n·N.
+
+    Examples:
+      >>> ring_wire_bytes("all-reduce", 4, 1024), ring_wire_bytes("reduce-scatter", 4, 256)
+      (1536.0, 768.0)
+      >>> ring_wire_bytes("all-gather", 2, 1024), ring_wire_bytes("all-gather", 1, 1024)
+      (512.0, 0.0)
+    """
     if n <= 1:
         return 0.0
     factor = {

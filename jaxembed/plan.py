@@ -32,6 +32,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxembed import layout, rules
+from jaxembed.hlo import ring_wire_bytes
 from jaxembed.layout import entry_mesh_axes
 
 __all__ = [
@@ -288,14 +289,6 @@ def _local_shape(shape: Sequence[int], entries: Sequence[tuple[str, ...]], sizes
     )
 
 
-def _ring_all_reduce(n: int, nbytes: float) -> float:
-    return 2 * (n - 1) / n * nbytes if n > 1 else 0.0
-
-
-def _ring_all_gather(n: int, result_bytes: float) -> float:
-    return (n - 1) / n * result_bytes if n > 1 else 0.0
-
-
 def _reshard_bytes(shape, src, dst, sizes, itemsize) -> float:
     """Bytes of XLA's reshard from `src` to `dst` entries: gathers cost, slices are free."""
     # The gather lands on the common refinement: per axis, the src axes also kept in dst.
@@ -305,7 +298,7 @@ def _reshard_bytes(shape, src, dst, sizes, itemsize) -> float:
         return 0.0
     n = math.prod(sizes[a] for a in gathered)
     result = math.prod(_local_shape(shape, kept, sizes)) * itemsize
-    return _ring_all_gather(n, result)
+    return ring_wire_bytes("all-gather", n, result)
 
 
 def _check_divides(what: str, dim: int, axes: tuple[str, ...], sizes, fix: str) -> None:
@@ -535,16 +528,25 @@ def _plan_cached(
         result = math.prod(shape) * e
         why = f"sum the row shards; out_spec splits axis {dim}"
         forward.append(
-            collective("forward", "psum_scatter", axes, "out", shape, dtype, (k - 1) * result, why)
+            collective(
+                "forward",
+                "psum_scatter",
+                axes,
+                "out",
+                shape,
+                dtype,
+                ring_wire_bytes("reduce-scatter", k, result),
+                why,
+            )
         )
         why = f"transpose of the forward psum_scatter on axis {dim}"
-        wire = _ring_all_gather(k, math.prod(before) * e)
+        wire = ring_wire_bytes("all-gather", k, math.prod(before) * e)
         backward.insert(
             0, collective("backward", "all_gather", axes, "out_grad", before, dtype, wire, why)
         )
     if psum_axes:
         k = math.prod(sizes[a] for a in psum_axes)
-        wire = _ring_all_reduce(k, math.prod(shape) * e)
+        wire = ring_wire_bytes("all-reduce", k, math.prod(shape) * e)
         why = "sum the row shards (each holds its rows, zeros elsewhere)"
         forward.append(collective("forward", "psum", psum_axes, "out", shape, dtype, wire, why))
     if body_out_spec != out_spec:
@@ -564,7 +566,7 @@ def _plan_cached(
     nb = math.prod(sizes[a] for a in batch_axes)
     grad_shard_shape = (num_rows // math.prod(sizes[a] for a in row_axes), out_local[-1])
     grad_shard = math.prod(grad_shard_shape) * _GRAD_ACCUM_BYTES
-    dense_bytes = _ring_all_reduce(nb, grad_shard)
+    dense_bytes = ring_wire_bytes("all-reduce", nb, grad_shard)
     # The rows exchange gathers ids and out_grad one split ids axis at a time, as the body does.
     rows_gathers: list[Collective] = []
     ids_shape, grad_shape = list(ids_local), list(out_local)
@@ -573,11 +575,11 @@ def _plan_cached(
         ids_shape[dim] *= k
         grad_shape[dim] *= k
         why = f"rows exchange: gather the batch's ids axis {dim} before the scatter-add"
-        wire = _ring_all_gather(k, math.prod(ids_shape) * e_ids)
+        wire = ring_wire_bytes("all-gather", k, math.prod(ids_shape) * e_ids)
         rows_gathers.append(
             collective("backward", "all_gather", axes, "ids", ids_shape, ids_dtype, wire, why)
         )
-        wire = _ring_all_gather(k, math.prod(grad_shape) * e)
+        wire = ring_wire_bytes("all-gather", k, math.prod(grad_shape) * e)
         rows_gathers.append(
             collective("backward", "all_gather", axes, "out_grad", grad_shape, dtype, wire, why)
         )

@@ -10,28 +10,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax_inputs import IDS_SHAPE, H, V, make_data
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxembed.flax
 
-V, H = 64, 16
-IDS_SHAPE = (8, 8)
 init = nn.linear.default_embed_init
 KEY = jax.random.key(0)
 
 
 def make_mesh(axis_type):
     return jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2)
-
-
-def make_data(seed=0, vocab=V):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, vocab, IDS_SHAPE).astype(np.int32)
-    query = rng.normal(size=(*IDS_SHAPE, H)).astype(np.float32)
-    ct_out = rng.normal(size=(*IDS_SHAPE, H)).astype(np.float32)
-    ct_logits = rng.normal(size=(*IDS_SHAPE, vocab)).astype(np.float32)
-    return ids, query, ct_out, ct_logits
 
 
 def objective(model, params, ids, query, ct_out, ct_logits):

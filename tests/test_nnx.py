@@ -12,27 +12,17 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax_inputs import IDS_SHAPE, H, V, make_data
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxembed.nnx
 
-V, H = 64, 16
-IDS_SHAPE = (8, 8)
 init = nnx.nn.linear.default_embed_init
 
 
 def make_mesh(axis_type):
     return jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2)
-
-
-def make_data(seed=0, vocab=V):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, vocab, IDS_SHAPE).astype(np.int32)
-    query = rng.normal(size=(*IDS_SHAPE, H)).astype(np.float32)
-    ct_out = rng.normal(size=(*IDS_SHAPE, H)).astype(np.float32)
-    ct_logits = rng.normal(size=(*IDS_SHAPE, vocab)).astype(np.float32)
-    return ids, query, ct_out, ct_logits
 
 
 def objective(model, ids, query, ct_out, ct_logits, **call_kwargs):
