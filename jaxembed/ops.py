@@ -145,14 +145,20 @@ def warn_if_layout_unknown(a: Any, mesh: Any, *, function: str, arg: str, what: 
 # --- the shard_map bodies -----------------------------------------------------------------
 
 
+def _reads_a_row(ids: jax.Array, vocab_size: int, padding_idx: int | None) -> jax.Array:
+    """Whether each id reads a table row: in `[0, vocab_size)` and not `padding_idx`."""
+    valid = (ids >= 0) & (ids < vocab_size)
+    if padding_idx is not None:
+        valid &= ids != padding_idx
+    return valid
+
+
 def _local_rows(plan: EmbeddingPlan, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """This shard's row index of each id, and whether the id reads a row of this shard."""
     rows = plan.rows_per_shard
     start = jax.lax.axis_index(plan.row_axes) * rows if plan.row_axes else 0
     local = ids - start
-    valid = (ids >= 0) & (ids < plan.vocab_size) & (local >= 0) & (local < rows)
-    if plan.padding_idx is not None:
-        valid &= ids != plan.padding_idx
+    valid = _reads_a_row(ids, plan.vocab_size, plan.padding_idx) & (local >= 0) & (local < rows)
     return local, valid
 
 
@@ -274,9 +280,7 @@ def check_ids(x: jax.Array, vocab_size: int) -> None:
 
 def _dense_lookup(x, weight, vocab_size, padding_idx):
     """No mesh: the same masked lookup on one device (out-of-range and padding read zero)."""
-    valid = (x >= 0) & (x < vocab_size)
-    if padding_idx is not None:
-        valid &= x != padding_idx
+    valid = _reads_a_row(x, vocab_size, padding_idx)
     rows = jnp.take(weight, jnp.where(valid, x, 0), axis=0, mode="clip")
     return jnp.where(valid[..., None], rows, jnp.zeros((), weight.dtype))
 

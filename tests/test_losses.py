@@ -200,14 +200,20 @@ def largest_buffer(text):
     return max(int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes)
 
 
+def abstract_inputs(mesh, hidden_shape, table_shape, labels_shape):
+    """hidden on data, the table's rows on model, labels on data: shapes for `lower`."""
+    specs = (P("data"), P("model", None), P("data"))
+    shapes = (hidden_shape, table_shape, labels_shape)
+    dtypes = (jnp.float32, jnp.float32, jnp.int32)
+    return [
+        jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, p))
+        for s, d, p in zip(shapes, dtypes, specs, strict=True)
+    ]
+
+
 def dense_program(mesh, hidden_shape, table_shape, labels_shape):
     """The same loss with the full logits (jnp + optax): the baseline."""
-    specs = (P("data"), P("model", None), P("data"))
-    abstract = [
-        jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, p))
-        for s, d, p in zip((hidden_shape, table_shape, labels_shape),
-                           (jnp.float32, jnp.float32, jnp.int32), specs, strict=True)
-    ]  # fmt: skip
+    abstract = abstract_inputs(mesh, hidden_shape, table_shape, labels_shape)
 
     def f(h, t, y):
         logits = jnp.einsum("bsh,vh->bsv", h, t, out_sharding=P("data", None, None))
@@ -218,12 +224,7 @@ def dense_program(mesh, hidden_shape, table_shape, labels_shape):
 
 
 def vocab_parallel_program(mesh, hidden_shape, table_shape, labels_shape, chunk=None):
-    specs = (P("data"), P("model", None), P("data"))
-    abstract = [
-        jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, p))
-        for s, d, p in zip((hidden_shape, table_shape, labels_shape),
-                           (jnp.float32, jnp.float32, jnp.int32), specs, strict=True)
-    ]  # fmt: skip
+    abstract = abstract_inputs(mesh, hidden_shape, table_shape, labels_shape)
 
     def f(h, t, y):
         return vocab_parallel_cross_entropy(h, t, y, reduction="mean", vocab_chunk_size=chunk)
