@@ -26,7 +26,7 @@ if "jax" not in sys.modules:  # 8 CPU devices, before jax starts
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
 from jaxembed import bench
-from jaxembed._bench_cases import MAIN_LAYOUTS
+from jaxembed.bench._cases import MAIN_LAYOUTS
 
 
 def _mib(n: float | None) -> str:

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from jaxembed import bench
-from jaxembed._bench_cases import LAYOUTS, MAIN_LAYOUTS
-from jaxembed._bench_impls import IMPLEMENTATIONS
+from jaxembed.bench._cases import LAYOUTS, MAIN_LAYOUTS
+from jaxembed.bench._impls import IMPLEMENTATIONS
 
 
 @pytest.fixture(scope="module")

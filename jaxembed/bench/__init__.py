@@ -15,7 +15,7 @@ update (elementwise, so it needs no communication). The benchmark
 4. sweeps the vocabulary (compile only: bytes and memory), the device count and the batch size
    (where jaxembed's plan switches from the rows to the dense gradient exchange).
 
-Implementations: see `jaxembed._bench_impls`. Layouts: `jaxembed._bench_cases.LAYOUTS`.
+Implementations: see `jaxembed.bench._impls`. Layouts: `jaxembed.bench._cases.LAYOUTS`.
 
     jaxembed bench --quick --json /tmp/bench.json
     jaxembed bench --json benchmarks/results.json --plot benchmarks/ --markdown /tmp/tables.md
@@ -34,9 +34,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxembed._bench_cases import LAYOUTS, MAIN_LAYOUTS, Case, sweep_layout
-from jaxembed._bench_impls import IMPLEMENTATIONS, KNOWN
-from jaxembed._bench_run import TimingPolicy, run_case
+from jaxembed.bench._cases import LAYOUTS, MAIN_LAYOUTS, Case, sweep_layout
+from jaxembed.bench._impls import IMPLEMENTATIONS, KNOWN
+from jaxembed.bench._run import TimingPolicy, run_case
 
 __all__ = ["QUICK", "BenchConfig", "main", "run_bench", "targets"]
 
@@ -52,7 +52,7 @@ class BenchConfig:
       hidden: the table's hidden size.
       ids_shape: global ids shape `[B, S]` of the layout cases.
       layouts: names from `LAYOUTS`.
-      implementations: names from `jaxembed._bench_impls.KNOWN`, jaxembed first.
+      implementations: names from `jaxembed.bench._impls.KNOWN`, jaxembed first.
       dense_regime_ids: ids shape of the extra dense-regime case on `rows-on-model`, or None.
       timing: repeats, warm-up and time budget per implementation.
       learning_rate: SGD's.
@@ -437,7 +437,7 @@ def main(argv: list[str]) -> int:
     """
     args = _parser().parse_args(argv)
     config = config_from_args(args)
-    from jaxembed import _bench_report as report
+    from jaxembed.bench import _report as report
 
     try:
         with report.progress_bar(plan_units(config), enabled=not args.no_progress) as tick:
@@ -453,9 +453,9 @@ def main(argv: list[str]) -> int:
         _write(args.markdown, report.markdown(record))
         print(f"wrote {args.markdown}")
     if args.plot:
-        from jaxembed import _bench_plots
+        from jaxembed.bench import _plots
 
-        for path in _bench_plots.plot_all(record, args.plot):
+        for path in _plots.plot_all(record, args.plot):
             print(f"wrote {path}")
     return 0
 

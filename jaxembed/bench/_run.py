@@ -19,8 +19,8 @@ from jax.sharding import AxisType, NamedSharding
 
 import jaxembed
 from jaxembed import hlo
-from jaxembed._bench_cases import Case, minimum_wire_bytes, spec_text
-from jaxembed._bench_impls import Program, build, make_mesh, make_step, update_floor
+from jaxembed.bench._cases import Case, minimum_wire_bytes, spec_text
+from jaxembed.bench._impls import Program, build, make_mesh, make_step, update_floor
 
 __all__ = ["TimingPolicy", "dense_reference", "run_case"]
 
@@ -302,7 +302,7 @@ def run_case(
 
     Args:
       case: the case.
-      implementations: names from `jaxembed._bench_impls.KNOWN`; `jaxembed` first is the
+      implementations: names from `jaxembed.bench._impls.KNOWN`; `jaxembed` first is the
         baseline of the time ratios.
       execute: run the steps (check, and time when `timing` is given); False compiles only,
         on abstract inputs, so no table is allocated.

@@ -35,7 +35,7 @@ import optax
 from jax.sharding import AxisType, NamedSharding
 
 import jaxembed
-from jaxembed._bench_cases import Case, Layout
+from jaxembed.bench._cases import Case, Layout
 
 __all__ = ["IMPLEMENTATIONS", "KNOWN", "Program", "build", "make_mesh", "make_step", "update_floor"]
 
