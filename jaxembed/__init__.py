@@ -17,8 +17,8 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "check_ids": "jaxembed.ops",
-    "embedding": "jaxembed.ops",
+    "check_ids": "jaxembed.kernels.lookup",
+    "embedding": "jaxembed.kernels.lookup",
     "plan_embedding": "jaxembed.plan",
     "EmbeddingPlan": "jaxembed.plan",
     "vocab_parallel_cross_entropy": "jaxembed.losses",

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxembed.plan.cost import ring_wire_bytes
+
 __all__ = [
     "KINDS",
     "Collective",
@@ -374,30 +376,6 @@ def _collective(
         group_size=group_size,
         wire_bytes=wire,
     )
-
-
-def ring_wire_bytes(kind: str, n: int, result_bytes: float) -> float:
-    """Ring-model bytes that one device sends for a collective over a group of `n`.
-
-    DESIGN.md's model, the one source of it for the plan and for the HLO reader: all-reduce
-    of N bytes 2(n-1)/n·N; reduce-scatter to an N-byte result (n-1)·N; all-gather to an
-    N-byte result and all-to-all (n-1)/n·N.
-
-    Examples:
-      >>> ring_wire_bytes("all-reduce", 4, 1024), ring_wire_bytes("reduce-scatter", 4, 256)
-      (1536.0, 768.0)
-      >>> ring_wire_bytes("all-gather", 2, 1024), ring_wire_bytes("all-gather", 1, 1024)
-      (512.0, 0.0)
-    """
-    if n <= 1:
-        return 0.0
-    factor = {
-        "all-reduce": 2 * (n - 1) / n,
-        "reduce-scatter": n - 1,
-        "all-gather": (n - 1) / n,
-        "all-to-all": (n - 1) / n,
-    }[kind]
-    return float(factor * result_bytes)
 
 
 def _replica_groups(text: str | None, line: str, num_devices: int | None) -> Groups:

@@ -1,0 +1,238 @@
+"""Where arrays are laid out, and what jaxembed assumes when a layout cannot be seen.
+
+A concrete array carries its `NamedSharding`; under `jit` an Explicit mesh carries the layout
+in the array's type (`jax.typeof(x).sharding.spec`). In an Auto mesh under `jit` a traced
+array carries no layout at all. There jaxembed never guesses silently:
+
+* a **table** whose layout is unknown is never fed to a `shard_map` (that would force XLA to
+  gather it): the lookup falls back to XLA's own partitioning of a masked `take`, and a
+  warning says how to state the layout;
+* **ids** whose layout is unknown are assumed to be laid out as data-parallel programs lay
+  them out: the batch axis split over the mesh axes the table does not use, as far as that
+  divides (`assumed_ids_spec`); a warning names the assumption and the override.
+
+Each assumption warns once per process and layout (`warn_once`).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = [
+    "assumed_ids_spec",
+    "is_explicit",
+    "layout_known",
+    "move",
+    "normalize_spec",
+    "resolve_mesh",
+    "spec_of",
+    "stated_spec",
+    "warn_if_layout_unknown",
+    "warn_once",
+]
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def resolve_mesh(mesh: Any = None, *arrays: Any) -> Any:
+    """The mesh to run on: `mesh`, else `jax.set_mesh`'s, else one an array is laid out on.
+
+    `embedding` and `vocab_parallel_cross_entropy` call it to find their mesh when none is
+    passed. Under `jax.set_mesh` the context's `AbstractMesh` wins over the arrays' own.
+
+    Args:
+      mesh: a `Mesh` or `AbstractMesh` to use as is, or None to look for one.
+      *arrays: arrays (concrete or traced) whose `NamedSharding`, or sharding type, names
+        a mesh; the first one that does wins.
+
+    Returns:
+      The mesh, or None when there is none (a single-device lookup).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+      >>> table = jax.device_put(jnp.ones((64, 8)), NamedSharding(mesh, P("model", None)))
+      >>> resolve_mesh(None, table) is mesh, resolve_mesh(None, jnp.ones(3))
+      (True, None)
+    """
+    if mesh is not None:
+        return mesh
+    ctx = jax.sharding.get_abstract_mesh()
+    if not ctx.empty:
+        return ctx
+    for a in arrays:
+        sharding = getattr(a, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return sharding.mesh
+        try:
+            aval_sharding = jax.typeof(a).sharding
+        except Exception:  # not a jax value
+            continue
+        if isinstance(aval_sharding, NamedSharding) and not aval_sharding.mesh.empty:
+            return aval_sharding.mesh
+    return None
+
+
+def is_explicit(mesh: Any) -> bool:
+    """Whether every axis of `mesh` is `AxisType.Explicit` (False for no mesh)."""
+    return mesh is not None and all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+
+def layout_known(a: Any, mesh: Any) -> bool:
+    """Whether `a`'s layout on `mesh` can be read: concrete, or typed in an Explicit mesh."""
+    if not isinstance(a, jax.core.Tracer):
+        return True
+    return is_explicit(mesh)
+
+
+def stated_spec(a: Any, mesh: Any) -> P | None:
+    """The layout `a` itself states on `mesh`: its `NamedSharding` there, or its type in an
+    Explicit mesh; None when it states none (a numpy array, a traced array in an Auto mesh)."""
+    sharding = getattr(a, "sharding", None)
+    if isinstance(sharding, NamedSharding) and tuple(sharding.mesh.axis_names) == tuple(
+        mesh.axis_names
+    ):
+        return sharding.spec
+    if isinstance(a, jax.core.Tracer) and is_explicit(mesh):
+        return spec_of(a, mesh)
+    return None
+
+
+def spec_of(a: Any, mesh: Any) -> P:
+    """The `PartitionSpec` an array is laid out with on `mesh`, or `P()` when unknown.
+
+    Concrete arrays tell their `NamedSharding`; under `jit`, only Explicit mesh axes are
+    visible in the type (`jax.typeof(a).sharding.spec`): in an Auto mesh pass the spec.
+
+    Args:
+      a: an array, concrete or traced (anything else reads as `P()`).
+      mesh: the mesh the layout is wanted on; a concrete array's `NamedSharding` counts
+        only when its mesh has the same axis names.
+
+    Returns:
+      The array's `PartitionSpec`, or `P()` (replicated) when it is not known.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+      >>> table = jax.device_put(jnp.ones((64, 8)), NamedSharding(mesh, P("model", None)))
+      >>> spec_of(table, mesh) == P("model", None), spec_of(jnp.ones(3), mesh) == P()
+      (True, True)
+    """
+    sharding = getattr(a, "sharding", None)
+    if isinstance(sharding, NamedSharding) and tuple(sharding.mesh.axis_names) == tuple(
+        mesh.axis_names
+    ):
+        return sharding.spec
+    try:
+        aval_sharding = jax.typeof(a).sharding
+    except Exception:
+        return P()
+    if isinstance(aval_sharding, NamedSharding) and not aval_sharding.mesh.empty:
+        return aval_sharding.spec
+    return P()
+
+
+def normalize_spec(spec: P, ndim: int) -> P:
+    """`spec` with one entry per axis and one-name tuples unwrapped, for comparisons."""
+    parts = tuple(spec.partitions) + (None,) * (ndim - len(spec.partitions))
+    parts = tuple(p[0] if isinstance(p, tuple) and len(p) == 1 else p for p in parts)
+    return P(*parts, unreduced=spec.unreduced) if spec.unreduced else P(*parts)
+
+
+def move(a: jax.Array, mesh: Any, spec: P) -> jax.Array:
+    """Puts a small operand in `spec` before a kernel whose `in_specs` say so.
+
+    A no-op when `a` is already laid out so, which is the case for every operand whose
+    layout jaxembed read or assumed (the kernels move ids themselves, with the plan's
+    collectives). Otherwise `device_put` for a concrete array, `reshard` in an Explicit
+    mesh, `with_sharding_constraint` in an Auto one. Never used on a table.
+    """
+    if mesh is None or normalize_spec(spec_of(a, mesh), a.ndim) == normalize_spec(spec, a.ndim):
+        return a
+    if not isinstance(a, jax.core.Tracer) and isinstance(mesh, jax.sharding.Mesh):
+        return jax.device_put(a, NamedSharding(mesh, spec))
+    if is_explicit(mesh):
+        return jax.sharding.reshard(a, NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def assumed_ids_spec(shape: tuple[int, ...], mesh: Any, table_spec: P, hint: P | None = None) -> P:
+    """The layout jaxembed assumes for ids whose own layout it cannot see.
+
+    With a `hint` (a module's `inputs_sharding`, the batch's logical axis), each axis keeps
+    the longest prefix of the hint's mesh axes that divides it. Without one, the first axis
+    is split over the mesh axes the table does not use, in mesh order, as far as that
+    divides: what data-parallel programs do. A batch that nothing divides (a `[1, 1]`
+    decoding step) is replicated.
+
+    Args:
+      shape: the ids' global shape.
+      mesh: the mesh.
+      table_spec: the table's layout.
+      hint: a layout the program states for the ids, or None.
+
+    Returns:
+      A `PartitionSpec` with one entry per ids axis.
+
+    Examples:
+      >>> import jax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+      >>> assumed_ids_spec((8, 128), mesh, P("model", None))
+      PartitionSpec('data', None)
+      >>> assumed_ids_spec((1, 1), mesh, P("model", None))        # nothing divides 1
+      PartitionSpec(None, None)
+      >>> assumed_ids_spec((8, 128), mesh, P(), hint=P(None, "model"))
+      PartitionSpec(None, 'model')
+    """
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    if not shape:
+        return P()
+    if hint is not None:
+        wanted = [_axes(e) for e in tuple(hint) + (None,) * (len(shape) - len(hint))]
+    else:
+        used = {a for e in table_spec for a in _axes(e)}
+        wanted = [tuple(a for a in mesh.axis_names if a not in used and sizes[a] > 1)]
+        wanted += [()] * (len(shape) - 1)
+    entries = []
+    for d, axes in zip(shape, wanted, strict=True):
+        k = len(axes)
+        while k and d % math.prod(sizes[a] for a in axes[:k]):
+            k -= 1
+        entries.append(axes[:k])
+    return P(*(None if not e else e[0] if len(e) == 1 else e for e in entries))
+
+
+def warn_once(key: str, message: str, *, stacklevel: int = 3) -> None:
+    """Warns `message` once per process for each distinct (key, message)."""
+    if (key, message) in _WARNED:
+        return
+    _WARNED.add((key, message))
+    warnings.warn(message, stacklevel=stacklevel + 1)
+
+
+def warn_if_layout_unknown(a: Any, mesh: Any, *, function: str, arg: str, what: str) -> None:
+    """Warns (once) when `a` is traced in an Auto mesh, where its layout is invisible."""
+    if isinstance(a, jax.core.Tracer) and not is_explicit(mesh) and mesh.size > 1:
+        warn_once(
+            f"{function}-{arg}",
+            f"{function}() is traced in an Auto mesh without {arg}: a traced {what} does not "
+            "carry its layout there, so it is taken as replicated and XLA may gather it. Pass "
+            f"{arg}=PartitionSpec(...) (the Flax modules do), or use an Explicit mesh.",
+            stacklevel=3,
+        )

@@ -1,0 +1,148 @@
+"""The shard-local work of every lookup: which rows are here, gather, pool, scatter.
+
+These run inside the `shard_map` bodies, on one device's block, with no communication. They
+are the seam where a native kernel may replace XLA (`jaxembed.kernels.native`): each
+function here is the reference its native twin is tested against.
+
+Row sharding. A table split over R mesh axes (n shards) holds, on shard s:
+
+* `"block"`: ids `[s·V/n, (s+1)·V/n)`, id i at local row `i - s·V/n`;
+* `"mod"`: ids with `i mod n = s`, id i at local row `i div n` (hot ids of a skewed
+  vocabulary spread over every shard).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "gather_rows",
+    "local_rows",
+    "owner_of",
+    "pool_max",
+    "pool_sum",
+    "reads_a_row",
+    "scatter_add",
+]
+
+
+def reads_a_row(ids: jax.Array, vocab_size: int, padding_idx: int | None) -> jax.Array:
+    """Whether each id reads a table row: in `[0, vocab_size)` and not `padding_idx`."""
+    valid = (ids >= 0) & (ids < vocab_size)
+    if padding_idx is not None:
+        valid &= ids != padding_idx
+    return valid
+
+
+def owner_of(ids: jax.Array, rows_per_shard: int, num_shards: int, row_sharding: str) -> jax.Array:
+    """The row shard (in `[0, num_shards)`) that holds each id's row (ids must be >= 0)."""
+    if row_sharding == "mod":
+        return ids % num_shards
+    return ids // rows_per_shard
+
+
+def local_rows(plan: Any, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """This shard's row index of each id, and whether the id reads a row of this shard.
+
+    Args:
+      plan: the `EmbeddingPlan` (its row axes, rows per shard, vocabulary, padding id,
+        row sharding).
+      ids: int ids of any shape, global ids.
+
+    Returns:
+      `(local, valid)`: local row indices (meaningful where valid) and a bool mask.
+    """
+    valid = reads_a_row(ids, plan.vocab_size, plan.padding_idx)
+    rows = plan.rows_per_shard
+    if not plan.row_axes:
+        return ids, valid
+    me = jax.lax.axis_index(plan.row_axes)
+    if plan.row_sharding == "mod":
+        n = plan.num_row_shards
+        return ids // n, valid & (ids % n == me)
+    local = ids - me * rows
+    return local, valid & (local >= 0) & (local < rows)
+
+
+def gather_rows(table: jax.Array, local: jax.Array, valid: jax.Array) -> jax.Array:
+    """`table[local]` where valid, zero rows elsewhere: `[*ids, H]`.
+
+    Never `jnp.take`'s default NaN fill: masked slots read row 0 and are zeroed.
+    """
+    rows = jnp.take(table, jnp.where(valid, local, 0), axis=0, mode="clip")
+    return jnp.where(valid[..., None], rows, jnp.zeros((), table.dtype))
+
+
+def pool_sum(
+    table: jax.Array,
+    local: jax.Array,
+    valid: jax.Array,
+    segments: jax.Array,
+    scale: jax.Array,
+    num_segments: int,
+) -> jax.Array:
+    """`out[s] = Σ_{i: segments[i] = s, valid[i]} scale[i] · table[local[i]]`, float32.
+
+    Args:
+      table: f[V_local, H] this device's shard.
+      local, valid: int[M], bool[M] from `local_rows` (flattened).
+      segments: int[M] in `[0, num_segments)`, or -1 for a slot that belongs to no bag.
+      scale: f32[M] each slot's factor (weights and the combiner's normalization).
+      num_segments: the number of bags.
+
+    Returns:
+      f32[num_segments, H].
+    """
+    rows = gather_rows(table, local, valid & (segments >= 0)).astype(jnp.float32)
+    rows = rows * scale[:, None]
+    seg = jnp.where(valid & (segments >= 0), segments, num_segments)
+    return jax.ops.segment_sum(rows, seg, num_segments=num_segments + 1)[:num_segments]
+
+
+def pool_max(
+    table: jax.Array,
+    local: jax.Array,
+    valid: jax.Array,
+    segments: jax.Array,
+    num_segments: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Element-wise maximum of each bag's rows on this shard, and the slot that gave it.
+
+    Args:
+      table, local, valid, segments, num_segments: as `pool_sum`.
+
+    Returns:
+      `(maxima, winners)`: f32[num_segments, H] with `-inf` for a bag with no row here,
+      and int32[num_segments, H], the earliest slot reaching the maximum (M where none).
+    """
+    m = local.shape[0]
+    live = valid & (segments >= 0)
+    rows = gather_rows(table, local, live).astype(jnp.float32)
+    rows = jnp.where(live[:, None], rows, -jnp.inf)
+    seg = jnp.where(live, segments, num_segments)
+    maxima = jax.ops.segment_max(rows, seg, num_segments=num_segments + 1)
+    hit = live[:, None] & (rows == maxima[seg])
+    slot = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32)[:, None], rows.shape)
+    winners = jax.ops.segment_min(jnp.where(hit, slot, m), seg, num_segments=num_segments + 1)
+    return maxima[:num_segments], jnp.minimum(winners[:num_segments], m)
+
+
+def scatter_add(
+    shape: tuple[int, int], local: jax.Array, valid: jax.Array, grads: jax.Array
+) -> jax.Array:
+    """A zero f32 shard of `shape` with `grads[i]` added at row `local[i]` where valid.
+
+    Args:
+      shape: the gradient shard's `(V_local, H_local)`.
+      local, valid: int[*ids], bool[*ids].
+      grads: f[*ids, H_local].
+
+    Returns:
+      f32[V_local, H_local].
+    """
+    rows = shape[0]
+    out = jnp.zeros(shape, jnp.float32)
+    return out.at[jnp.where(valid, local, rows)].add(grads.astype(jnp.float32), mode="drop")

@@ -1,0 +1,187 @@
+"""The exchange phase: every way to resolve the gradient's partial sum, weighed.
+
+`dense` (a `psum` of the gradient shard over the batch axes B), `rows` (gather the batch's
+ids and output gradients over B, scatter-add locally) and `routed` (send each id to the
+shard that owns its row) each get their collectives, their wire bytes and their work (rows
+gathered and scattered per device); the cost model (`jaxembed.plan.cost`) times them and
+`"auto"` takes the fastest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxembed.plan import cost
+from jaxembed.plan.moves import local_shape
+from jaxembed.plan.phases import GRAD_ACCUM_BYTES, collective, itemsize, prod
+from jaxembed.plan.types import Collective, ExchangeCandidate
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """What the exchange phase needs to know of the lookup (internal)."""
+
+    sizes: dict
+    e: int
+    e_ids: int
+    dtype: str
+    ids_dtype: str
+    operands: list
+    ids_entries: list
+    kept: list
+    bag_split: tuple
+    batch_axes: tuple
+    out_kept_local: tuple
+    ids_local: tuple
+    num_rows: int
+    row_axes: tuple
+    hidden_local: int
+    is_bag: bool
+    is_max: bool
+    gathers: tuple
+
+
+def operand_has_dim(op_ndim: int, dim: int, is_bag: bool) -> bool:
+    """Whether a batch operand of rank `op_ndim` has output batch axis `dim` (bags: not the
+    pooled axis, and not the bag axis of the flat form)."""
+    return not is_bag or dim < op_ndim - 1
+
+
+def rows_gathers(g: Geometry) -> tuple[list[Collective], int]:
+    """The rows exchange: per gathered output batch axis, every operand that has it, then
+    out_grad, as the body runs them."""
+    collectives: list[Collective] = []
+    shapes = {op.name: list(local_shape(op.shape, g.ids_entries, g.sizes)) for op in g.operands}
+    grad_shape = list(g.out_kept_local)
+    for dim, axes in g.gathers:
+        n = prod(axes, g.sizes)
+        for op in g.operands:
+            if not operand_has_dim(len(op.shape), dim, g.is_bag):
+                continue
+            shape = shapes[op.name]
+            shape[dim] *= n
+            wire = cost.ring_wire_bytes("all-gather", n, math.prod(shape) * itemsize(op.dtype))
+            why = f"rows exchange: gather the batch's {op.name} before the scatter-add"
+            collectives.append(
+                collective("backward", "all_gather", axes, op.name, shape, op.dtype, wire, why)
+            )
+        grad_shape[dim] *= n
+        wire = cost.ring_wire_bytes("all-gather", n, math.prod(grad_shape) * g.e)
+        why = "rows exchange: gather the batch's output gradients before the scatter-add"
+        collectives.append(
+            collective("backward", "all_gather", axes, "out_grad", grad_shape, g.dtype, wire, why)
+        )
+        if g.is_max:
+            wire = cost.ring_wire_bytes("all-gather", n, math.prod(grad_shape) * 4)
+            why = "rows exchange: gather the slots that won each maximum"
+            winners = collective(
+                "backward", "all_gather", axes, "winners", grad_shape, "int32", wire, why
+            )
+            collectives.append(winners)
+    buffers = sum(math.prod(shapes[op.name]) * itemsize(op.dtype) for op in g.operands)
+    buffers += math.prod(grad_shape) * GRAD_ACCUM_BYTES
+    return collectives, buffers
+
+
+def choose_exchange(requested, g: Geometry, forward, transposes, backend):
+    """Weighs the exchanges that apply and picks one (the requested one, or the cheapest)."""
+    constants = cost.load_constants(backend)
+    row_bytes = g.hidden_local * g.e
+    slots = math.prod(g.ids_local)
+    fwd_bytes = sum(c.wire_bytes for c in forward)
+    fwd_count = len(forward)
+    base_bytes = fwd_bytes + sum(c.wire_bytes for c in transposes)
+    base_count = fwd_count + len(transposes)
+    nb = prod(g.batch_axes, g.sizes)
+
+    def candidate(name, collectives, gathered, scattered, extra_rows, why):
+        wire = base_bytes + sum(c.wire_bytes for c in collectives)
+        seconds = cost.modelled_seconds(
+            constants, wire_bytes=wire, rows=gathered + scattered + extra_rows,
+            row_bytes=row_bytes, collectives=base_count + len(collectives),
+        )  # fmt: skip
+        return ExchangeCandidate(name, wire, gathered, scattered, seconds * 1e3, why)
+
+    options: dict[str, tuple[ExchangeCandidate, list[Collective], int]] = {}
+    if not g.batch_axes:
+        c = candidate(
+            "none", [], slots, slots, 0,
+            "the batch is not split inside the kernel: the gradient is complete on each device",
+        )  # fmt: skip
+        options["none"] = (c, [], 0)
+    else:
+        shard_rows = g.num_rows // prod(g.row_axes, g.sizes)
+        grad_shard_bytes = shard_rows * g.hidden_local * GRAD_ACCUM_BYTES
+        dense_wire = cost.ring_wire_bytes("all-reduce", nb, grad_shard_bytes)
+        dense = [
+            collective(
+                "backward", "psum", g.batch_axes, "weight_grad",
+                (shard_rows, g.hidden_local), "float32", dense_wire,
+                "dense exchange: sum the partial gradient shards",
+            )
+        ]  # fmt: skip
+        # The dense exchange zero-fills, reduces and reads a whole gradient shard.
+        options["dense"] = (
+            candidate(
+                "dense",
+                dense,
+                slots,
+                slots,
+                2 * shard_rows,
+                "psum of the gradient shard over the batch axes",
+            ),
+            dense,
+            0,
+        )
+        rows, buffers = rows_gathers(g)
+        options["rows"] = (
+            candidate(
+                "rows",
+                rows,
+                slots,
+                slots * nb,
+                0,
+                "gather ids and output gradients over the batch axes, scatter-add locally",
+            ),
+            rows,
+            buffers,
+        )
+    names = {"none": "none"}
+    if requested == "auto":
+        best = min(options.values(), key=lambda o: (o[0].modelled_ms, o[0].wire_bytes))
+        chosen = best[0].name
+        others = [o[0] for o in options.values() if o[0].name != chosen]
+        if others:
+            reason = (
+                f"{chosen} models {best[0].modelled_ms:.3f} ms, "
+                + ", ".join(f"{o.name} {o.modelled_ms:.3f} ms" for o in others)
+                + f" ({_bytes_text(best[0].wire_bytes)} vs "
+                + ", ".join(_bytes_text(o.wire_bytes) for o in others)
+                + ")"
+            )
+        else:
+            reason = best[0].why
+    else:
+        if requested not in options and not ("none" in options and requested in ("dense", "rows")):
+            raise ValueError(
+                f"exchange={requested!r} does not apply to this layout: "
+                f"{', '.join(names.get(k, k) for k in options)} would. "
+                + (
+                    "The routed exchange needs ids and table rows split over the same mesh "
+                    "axes (e.g. both over 'model')."
+                    if requested == "routed"
+                    else ""
+                )
+            )
+        chosen = requested if requested in options else "none"
+        reason = f"forced by exchange={requested!r}" if chosen != "none" else options["none"][0].why
+    candidate_list = tuple(o[0] for o in options.values())
+    _, collectives, buffers = options[chosen]
+    return chosen, reason, candidate_list, list(collectives), buffers
+
+
+def _bytes_text(n: float) -> str:
+    from jaxembed.plan.format import format_bytes
+
+    return format_bytes(n)
