@@ -19,6 +19,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "check_ids": "jaxembed.kernels.lookup",
     "embedding": "jaxembed.kernels.lookup",
+    "embedding_bag": "jaxembed.kernels.bag",
+    "plan_embedding_bag": "jaxembed.plan",
+    "Ragged": "jaxembed.ragged",
     "plan_embedding": "jaxembed.plan",
     "EmbeddingPlan": "jaxembed.plan",
     "vocab_parallel_cross_entropy": "jaxembed.losses",
@@ -29,9 +32,12 @@ __all__ = [
     "EmbeddingPlan",
     "__version__",
     "check_ids",
+    "Ragged",
     "embedding",
+    "embedding_bag",
     "plan_cross_entropy",
     "plan_embedding",
+    "plan_embedding_bag",
     "vocab_parallel_cross_entropy",
 ]
 

@@ -136,7 +136,7 @@ def test_matches_dense_reference(layout, exchange, axis_type):
     check_hlo_against_plan(plan, text, mesh)
 
 
-def check_hlo_against_plan(plan, text, mesh):
+def check_hlo_against_plan(plan, text, mesh, extra_kinds=None):
     """The compiled program issues the plan's collectives and never gathers the table."""
     found = hlo.collectives(text)
     table_shapes = {tuple(plan.weight_shape), tuple(plan.table_shard_shape)}
@@ -144,6 +144,7 @@ def check_hlo_against_plan(plan, text, mesh):
         if c.kind == "all-gather":
             assert not table_shapes & set(c.result_shape), f"the table is gathered: {c}"
     kinds = {"psum": "all-reduce", "psum_scatter": "reduce-scatter", "all_gather": "all-gather"}
+    kinds.update(extra_kinds or {})
     planned = sorted(
         (kinds[c.op], tuple(c.axes)) for c in (*plan.forward, *plan.backward) if c.op in kinds
     )

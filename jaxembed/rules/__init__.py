@@ -3,6 +3,8 @@
 Pure Python; importable without jax.
 """
 
+from jaxembed.rules.bag import embedding_bag_forward as embedding_bag_forward
+from jaxembed.rules.bag import embedding_bag_grad as embedding_bag_grad
 from jaxembed.rules.cross_entropy import cross_entropy_forward as cross_entropy_forward
 from jaxembed.rules.cross_entropy import cross_entropy_grad as cross_entropy_grad
 from jaxembed.rules.embedding import embedding_forward as embedding_forward
@@ -25,6 +27,8 @@ __all__ = [
     "cross_entropy_grad",
     "dims_mapping_for",
     "einsum_rule",
+    "embedding_bag_forward",
+    "embedding_bag_grad",
     "embedding_forward",
     "embedding_grad",
     "embedding_reverse",

@@ -1,0 +1,445 @@
+"""`embedding_bag`: pooled lookups over bags of ids, as `jax.shard_map` bodies.
+
+Each row shard pools only its own rows; the *pooled* partial sums are reduced (`psum`, or
+`psum_scatter` onto a batch-split output), so the bytes grow with the number of bags, never
+with their length. Mean and sqrtn are weighted sums whose per-slot factors every device
+computes from the ids it holds (`jaxembed.ragged.bag_scales`); max reduces with `pmax`, and
+a `pmin` of the winning slots routes its gradient to the one shard that owns the row.
+
+    forward   ids, lengths, weights -> the plan's moves -> canonical bags (segments, factors)
+              -> rows of this shard -> pool (segment sum / max) -> psum_scatter / psum (pmax)
+              -> the output's moves
+    backward  out_grad's moves and transposes -> [rows: gather ids, lengths, weights,
+              out_grad (and winners) over the batch axes] -> each slot's gradient (its
+              bag's out_grad times its factor, or the max's winner) -> scatter-add into a
+              zero shard -> [dense: psum over the batch axes]
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxembed import ragged
+from jaxembed.kernels import local as local_ops
+from jaxembed.kernels.arrays import (
+    layout_known,
+    move,
+    resolve_mesh,
+    spec_of,
+    stated_spec,
+    warn_once,
+)
+from jaxembed.kernels.lookup import (
+    as_ids,
+    check_table,
+    cotangent_spec,
+    finish_gradient,
+    out_grad_to_body,
+    reduce_over_rows,
+    resolve_layouts,
+    runs_on_one_device,
+    shard_map,
+    validate_scalars,
+)
+from jaxembed.kernels.reshard import apply_moves, gather
+from jaxembed.plan import EmbeddingPlan, Exchange, plan_embedding_bag
+from jaxembed.plan.exchange import operand_has_dim
+
+__all__ = ["Bags", "bag_slot_grads", "embedding_bag", "prepare_bags"]
+
+
+class Bags(NamedTuple):
+    """A bag lookup's batch operands in one pytree: ids, and lengths and weights if any."""
+
+    ids: jax.Array
+    lengths: jax.Array | None
+    weights: jax.Array | None
+
+    def operands(self) -> tuple[jax.Array, ...]:
+        return tuple(a for a in self if a is not None)
+
+
+def _unpack(plan: EmbeddingPlan, arrays) -> Bags:
+    it = iter(arrays)
+    ids = next(it)
+    lengths = next(it) if plan.bag.form == "flat" else None
+    weights = next(it) if plan.bag.weighted else None
+    return Bags(ids, lengths, weights)
+
+
+# --- the shard-local pieces ------------------------------------------------------------------
+
+
+class _Slots(NamedTuple):
+    local: jax.Array  # i32[M] this shard's row of each slot
+    here: jax.Array  # bool[M] the slot reads a row of this shard
+    segment: jax.Array  # i32[M] the slot's bag among the block's G*B bags (G*B: none)
+    position: jax.Array  # i32[M] the slot's index within its lead element (0..N-1)
+    scale: jax.Array  # f32[M] the slot's factor
+    num_segments: int  # G*B
+
+
+def _slots(plan: EmbeddingPlan, bags: Bags, *, my_bags_only: bool) -> _Slots:
+    """The canonical form of a block of bags, flattened: which slots pool into which bag.
+
+    With `my_bags_only`, a device whose output splits the bag axis keeps only its range of
+    bags (the ids are whole on it); after the rows exchange gathered out_grad along that
+    axis, every bag is its own.
+    """
+    bag = plan.bag
+    if bag.form == "dense":
+        batch = ragged.to_bag_batch(bags.ids, per_id_weights=bags.weights)
+    else:
+        batch = ragged.to_bag_batch(bags.ids, lengths=bags.lengths, per_id_weights=bags.weights)
+    segments, num_bags = batch.segments, batch.num_bags
+    if my_bags_only and plan.bag_split_axes:
+        n = math.prod(jax.lax.axis_size(a) for a in plan.bag_split_axes)
+        num_bags //= n
+        segments = segments - jax.lax.axis_index(plan.bag_split_axes) * num_bags
+        segments = jnp.where((segments >= 0) & (segments < num_bags), segments, -1)
+    batch = batch._replace(segments=segments, num_bags=num_bags)
+    valid = ragged.valid_slots(batch, plan.vocab_size, plan.padding_idx)
+    scale = ragged.bag_scales(valid, segments, batch.weights, num_bags, bag.combiner)
+    local, here = local_ops.local_rows(plan, batch.ids)
+    capacity = batch.ids.shape[-1]
+    position = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), batch.ids.shape)
+    segment = ragged.global_segments(jnp.where(valid, segments, -1), num_bags)
+    groups = math.prod(batch.ids.shape[:-1])
+    return _Slots(
+        local.reshape(-1),
+        (here & valid).reshape(-1),
+        segment.reshape(-1),
+        position.reshape(-1),
+        scale.reshape(-1),
+        groups * num_bags,
+    )
+
+
+def _out_shape(plan: EmbeddingPlan, bags: Bags, pooled: jax.Array) -> jax.Array:
+    """[G*B, H] -> the block's output: [*lead, B, H], or [*batch, H] for the dense form."""
+    lead = bags.ids.shape[:-1]
+    if plan.bag.form == "dense":
+        return pooled.reshape(*lead, pooled.shape[-1])
+    return pooled.reshape(*lead, -1, pooled.shape[-1])
+
+
+def bag_slot_grads(
+    plan: EmbeddingPlan, bags: Bags, out_grad: jax.Array, winners: jax.Array | None, *,
+    my_bags_only: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # fmt: skip
+    """Each slot's gradient from the pooled output gradient: `(local, here, grads[M, H])`.
+
+    Sum, mean, sqrtn: the slot's bag's out_grad times its factor. Max: the bag's out_grad in
+    the columns where this slot won the maximum.
+    """
+    s = _slots(plan, bags, my_bags_only=my_bags_only)
+    hidden = out_grad.shape[-1]
+    og = out_grad.reshape(-1, hidden).astype(jnp.float32)  # f32[G*B, H/K]
+    rows = jnp.take(og, s.segment, axis=0, mode="fill", fill_value=0)  # f32[M, H/K]
+    if plan.bag.combiner == "max":
+        won = jnp.take(winners.reshape(-1, hidden), s.segment, axis=0, mode="fill", fill_value=-1)
+        grads = jnp.where(won == s.position[:, None], rows, 0.0)
+    else:
+        grads = rows * s.scale[:, None]
+    return s.local, s.here, grads
+
+
+# --- the bodies ------------------------------------------------------------------------------
+
+
+def _forward_body(plan: EmbeddingPlan, *arrays):
+    # arrays: ids i32[*lead, N | L] (+ lengths i32[*lead, B], weights f32[*lead, N]), each
+    # as given; table f[V/R, H/K] last.
+    *given, table = arrays
+    bags = Bags(*(apply_moves(a, op.moves) if a is not None else None for a, op in
+                  zip(_unpack(plan, given), _ops_by_name(plan), strict=True)))  # fmt: skip
+    s = _slots(plan, bags, my_bags_only=True)
+    if plan.bag.combiner == "max":
+        maxima, winners = local_ops.pool_max(table, s.local, s.here, s.segment, s.num_segments)
+        # maxima: f32[G*B, H/K] (-inf: no row here); winners: slot index in the block
+        capacity = bags.ids.shape[-1]
+        winners = jnp.where(winners < s.local.shape[0], winners % capacity, capacity)
+        if plan.psum_axes:
+            best = jax.lax.pmax(maxima, plan.psum_axes)
+            mine = jnp.where((maxima == best) & jnp.isfinite(best), winners, capacity)
+            winners = jax.lax.pmin(mine, plan.psum_axes)
+            maxima = best
+        pooled = jnp.where(jnp.isfinite(maxima), maxima, 0.0).astype(table.dtype)
+        out = _out_shape(plan, bags, pooled)
+        winners = _out_shape(plan, bags, winners)
+    else:
+        pooled = local_ops.pool_sum(table, s.local, s.here, s.segment, s.scale, s.num_segments)
+        out = reduce_over_rows(plan, _out_shape(plan, bags, pooled.astype(table.dtype)))
+        winners = None
+    out = apply_moves(out, plan.out_moves)  # f[*out / out_spec, H']
+    residuals = (*bags.operands(), *((winners,) if winners is not None else ()))
+    return out, residuals
+
+
+def _ops_by_name(plan: EmbeddingPlan):
+    by_name = {op.name: op for op in plan.operands}
+    return (by_name["ids"], by_name.get("lengths"), by_name.get("weights"))
+
+
+def _rows_exchange(plan: EmbeddingPlan, bags: Bags, out_grad, winners):
+    """Gathers the batch operands, out_grad (and winners) over the batch axes, axis by axis,
+    in the plan's order."""
+    arrays = dict(bags._asdict())
+    for dim, axes in plan.batch_gathers:
+        for name in ("ids", "lengths", "weights"):
+            a = arrays[name]
+            if a is not None and operand_has_dim(a.ndim, dim, True):
+                arrays[name] = gather(a, axes, dim)
+        out_grad = gather(out_grad, axes, dim)
+        if winners is not None:
+            winners = gather(winners, axes, dim)
+    return Bags(**arrays), out_grad, winners
+
+
+def exchanged_slot_grads(plan: EmbeddingPlan, bags: Bags, out_grad, winners):
+    """out_grad into the body's layout, the exchange, then each slot's gradient."""
+    out_grad = out_grad_to_body(plan, out_grad)
+    if plan.exchange == "rows":
+        bags, out_grad, winners = _rows_exchange(plan, bags, out_grad, winners)
+    return bag_slot_grads(plan, bags, out_grad, winners, my_bags_only=plan.exchange != "rows")
+
+
+def _backward_body(plan: EmbeddingPlan, *arrays):
+    *residuals, out_grad = arrays
+    bags = _unpack(plan, residuals)
+    winners = residuals[-1] if plan.bag.combiner == "max" else None
+    local, here, grads = exchanged_slot_grads(plan, bags, out_grad, winners)
+    weight_grad = local_ops.scatter_add(plan.table_shard_shape, local, here, grads)
+    return finish_gradient(plan, weight_grad)  # f[V/R, H/K]
+
+
+def residual_specs(plan: EmbeddingPlan) -> tuple[P, ...]:
+    """The layouts of the forward's residuals: operands in the body, winners as the body's
+    output."""
+    specs = tuple(op.spec for op in plan.operands)
+    if plan.bag.combiner == "max":
+        specs += (plan.body_out_spec,)
+    return specs
+
+
+def _forward(plan: EmbeddingPlan, mesh: Any, operands, table):
+    in_specs = (*(op.given for op in plan.operands), plan.weight_spec)
+    body = shard_map(_forward_body, plan, mesh, in_specs, (plan.out_spec, residual_specs(plan)))
+    return body(*operands, table)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _bag(plan: EmbeddingPlan, mesh: Any, operands: tuple, table: jax.Array) -> jax.Array:
+    return _forward(plan, mesh, operands, table)[0]
+
+
+def _bag_fwd(plan, mesh, operands, table):
+    return _forward(plan, mesh, operands, table)
+
+
+def _bag_bwd(plan, mesh, residuals, out_grad):
+    ct_spec = cotangent_spec(plan)
+    out_grad = move(out_grad, mesh, ct_spec)
+    in_specs = (*residual_specs(plan), ct_spec)
+    bwd = shard_map(_backward_body, plan, mesh, in_specs, plan.weight_spec)
+    zeros = tuple(None for _ in residuals[: len(plan.operands)])
+    return zeros, bwd(*residuals, out_grad)
+
+
+_bag.defvjp(_bag_fwd, _bag_bwd)
+
+
+# --- the public entry point --------------------------------------------------------------------
+
+
+def _dense_bag(bags: Bags, plan_bag, weight, vocab_size, padding_idx):
+    """The pooled lookup without a kernel: one device, or XLA's own partitioning."""
+    batch = ragged.to_bag_batch(
+        bags.ids, lengths=bags.lengths, per_id_weights=bags.weights
+    ) if bags.lengths is not None else ragged.to_bag_batch(bags.ids, per_id_weights=bags.weights)  # fmt: skip
+    valid = ragged.valid_slots(batch, vocab_size, padding_idx)
+    scale = ragged.bag_scales(valid, batch.segments, batch.weights, batch.num_bags, plan_bag)
+    seg = ragged.global_segments(jnp.where(valid, batch.segments, -1), batch.num_bags)
+    groups = math.prod(batch.ids.shape[:-1]) * batch.num_bags
+    ids = jnp.where(valid, batch.ids, 0).reshape(-1)
+    here = valid.reshape(-1)
+    if plan_bag == "max":
+        maxima, _ = local_ops.pool_max(weight, ids, here, seg.reshape(-1), groups)
+        pooled = jnp.where(jnp.isfinite(maxima), maxima, 0.0)
+    else:
+        pooled = local_ops.pool_sum(weight, ids, here, seg.reshape(-1), scale.reshape(-1), groups)
+    lead = batch.ids.shape[:-1]
+    pooled = pooled.astype(weight.dtype)
+    return pooled.reshape(*lead, weight.shape[1]) if batch.dense else pooled.reshape(
+        *lead, batch.num_bags, weight.shape[1]
+    )  # fmt: skip
+
+
+def prepare_bags(x, lengths, offsets, per_id_weights, include_last_offset) -> Bags:
+    """The user's input form as `Bags`: a `Ragged` unpacked, offsets turned into lengths,
+    every static check of `jaxembed.ragged.to_bag_batch` applied (and value checks when
+    concrete)."""
+    if isinstance(x, ragged.Ragged):
+        ragged.to_bag_batch(x, lengths=lengths, offsets=offsets, per_id_weights=per_id_weights)
+        return Bags(as_ids(x.values), x.lengths, x.weights)
+    x = as_ids(x)
+    ragged.to_bag_batch(
+        x,
+        lengths=lengths,
+        offsets=offsets,
+        per_id_weights=per_id_weights,
+        include_last_offset=include_last_offset,
+    )  # fmt: skip  (checks only; the kernel builds its own from the local block)
+    if offsets is not None:
+        lengths = ragged.lengths_from_offsets(
+            jnp.asarray(offsets), x.shape[-1], include_last_offset=include_last_offset
+        )
+    weights = None if per_id_weights is None else jnp.asarray(per_id_weights, jnp.float32)
+    return Bags(x, None if lengths is None else jnp.asarray(lengths), weights)
+
+
+def _check_bag_ids(bags: Bags, vocab_size: int) -> None:
+    if any(isinstance(a, jax.core.Tracer) for a in bags.operands()):
+        return
+    if isinstance(bags.ids, jax.Array) and not bags.ids.is_fully_addressable:
+        return
+    if bags.lengths is None:
+        batch = ragged.to_bag_batch(bags.ids)
+    else:
+        batch = ragged.to_bag_batch(bags.ids, lengths=bags.lengths)
+    ragged.check_bag_ids(batch, vocab_size)
+
+
+def embedding_bag(
+    x: Any,
+    weight: jax.Array,
+    *,
+    lengths: jax.Array | None = None,
+    offsets: jax.Array | None = None,
+    per_id_weights: jax.Array | None = None,
+    combiner: str = "sum",
+    include_last_offset: bool = False,
+    padding_idx: int | None = None,
+    vocab_size: int | None = None,
+    mesh: Any = None,
+    x_spec: P | None = None,
+    weight_spec: P | None = None,
+    out_spec: P | None = None,
+    exchange: Exchange = "auto",
+    row_sharding: str = "block",
+) -> jax.Array:
+    """Pools `weight`'s rows over bags of ids, sharded, with PyTorch's `embedding_bag` semantics.
+
+    Input forms (all jittable, static shapes; see `jaxembed.ragged`):
+
+    * `x [*batch, L]`: a bag per row; negative ids are empty slots. Output `[*batch, H]`.
+    * `x [*lead, N]` with `lengths [*lead, B]`: bag b is the next `lengths[..., b]` ids;
+      ids past the total are ignored. Output `[*lead, B, H]`.
+    * `x [*lead, N]` with `offsets` (bag starts, or `[*lead, B+1]` with
+      `include_last_offset=True`), as PyTorch. Output `[*lead, B, H]`.
+    * a `jaxembed.Ragged`.
+
+    Leading dims of the flat forms are independent blocks (e.g. one per data-parallel
+    device), so splitting them needs no communication; a split bag axis is gathered (ids
+    are small) and each device pools only its own bags.
+
+    Args:
+      x: integer ids in one of the forms above, or a `Ragged`.
+      weight: the table `[V, H]`, float32 or bfloat16.
+      lengths, offsets, include_last_offset: the flat forms' bag boundaries.
+      per_id_weights: float weights shaped like `x`: Σwe for `"sum"`, Σwe/Σw for
+        `"mean"`, Σwe/√Σw² for `"sqrtn"`; not with `"max"`.
+      combiner: `"sum"`, `"mean"` (over the ids that read a row: padding and empty slots
+        are not counted), `"sqrtn"` or `"max"` (element-wise; its gradient goes to the
+        earliest slot giving the max). An empty bag gives zeros.
+      padding_idx, vocab_size, mesh, weight_spec, out_spec, exchange, row_sharding: as in
+        `jaxembed.embedding`.
+      x_spec: the ids' layout (the lengths and weights follow the same lead layout unless
+        their arrays state their own); default read from the arrays, or assumed as in
+        `embedding`.
+
+    Returns:
+      The pooled bags, laid out as `out_spec` (default: the ids' lead layout, the table's
+      hidden split).
+
+    Raises:
+      TypeError: float ids or lengths, integer weights, a non-float table.
+      ValueError: bad combiners, weights with max, malformed lengths or offsets (negative,
+        past the capacity, decreasing), shapes that do not match, out-of-range concrete
+        ids, and the layout errors of `embedding`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+      >>> table = jax.device_put(jnp.arange(32.0).reshape(16, 2),
+      ...                        NamedSharding(mesh, P("model", None)))
+      >>> ids = jax.device_put(jnp.array([[1, 2, -1, -1], [3, -1, -1, -1]] * 2),
+      ...                      NamedSharding(mesh, P("data")))
+      >>> embedding_bag(ids, table, combiner="mean").tolist()
+      [[3.0, 4.0], [6.0, 7.0], [3.0, 4.0], [6.0, 7.0]]
+    """
+    bags = prepare_bags(x, lengths, offsets, per_id_weights, include_last_offset)
+    check_table(weight)
+    if combiner == "max" and bags.weights is not None:
+        raise ValueError(
+            "per_id_weights cannot be used with combiner='max' (a maximum is not weighted): "
+            "drop the weights, or use 'sum', 'mean' or 'sqrtn'"
+        )
+    mesh = resolve_mesh(mesh, weight, bags.ids)
+    plan_vocab = weight.shape[0] if vocab_size is None else vocab_size
+    if runs_on_one_device(mesh, x_spec, weight_spec, out_spec):
+        validate_scalars(plan_vocab, padding_idx, weight.shape[0])
+        _check_bag_ids(bags, plan_vocab)
+        return _dense_bag(bags, combiner, weight, plan_vocab, padding_idx)
+    weight_spec, x_spec = resolve_layouts(
+        bags.ids, weight, mesh, x_spec=x_spec, weight_spec=weight_spec,
+        function="embedding_bag",
+    )  # fmt: skip
+    if weight_spec is None:
+        validate_scalars(plan_vocab, padding_idx, weight.shape[0])
+        return _dense_bag(bags, combiner, weight, plan_vocab, padding_idx)
+    plan = plan_embedding_bag(
+        mesh, bags.ids.shape, weight.shape,
+        num_bags=None if bags.lengths is None else bags.lengths.shape[-1],
+        combiner=combiner, weighted=bags.weights is not None, x_spec=x_spec,
+        lengths_spec=_companion_spec(bags.lengths, mesh, x_spec),
+        weights_spec=_companion_spec(bags.weights, mesh, x_spec),
+        weight_spec=weight_spec, out_spec=out_spec, padding_idx=padding_idx,
+        vocab_size=vocab_size, dtype=weight.dtype, ids_dtype=bags.ids.dtype,
+        exchange=exchange, row_sharding=row_sharding,
+    )  # fmt: skip
+    _check_bag_ids(bags, plan.vocab_size)
+    operands = tuple(
+        move(a, mesh, op.given) if not isinstance(a, jax.core.Tracer) else a
+        for a, op in zip(bags.operands(), plan.operands, strict=True)
+    )
+    return _bag(plan, mesh, operands, weight)
+
+
+def _companion_spec(a: jax.Array | None, mesh: Any, x_spec: P) -> P | None:
+    """The layout of lengths or weights: their own where they state one, else x's lead."""
+    if a is None:
+        return None
+    stated = stated_spec(a, mesh)
+    if stated is not None:
+        return stated
+    if layout_known(a, mesh) and not isinstance(a, jax.core.Tracer):
+        spec = spec_of(a, mesh)
+        if spec != P():
+            return spec
+    parts = tuple(x_spec) + (None,) * (a.ndim - len(tuple(x_spec)))
+    lead = parts[: a.ndim - 1]
+    if any(p is not None for p in parts[a.ndim - 1 :]) and a.ndim == len(tuple(x_spec)):
+        warn_once(
+            "bag-axis-split",
+            "embedding_bag(): the ids' last axis (the bag slots) is split; the kernel "
+            "gathers it, since a bag's ids must be whole to pool it.",
+        )
+    return P(*lead, None)
