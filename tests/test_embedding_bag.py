@@ -51,7 +51,10 @@ def reference(table, x, ct, **kw):
 
 def run(mesh, x, table, ct, *, x_spec, weight_spec, out_spec=None, arrays_specs=(), **kw):
     """One compiled program returning the pooled output and the table gradient."""
-    extra = {k: put(v, mesh, s) for (k, v), s in zip(kw.pop("arrays", {}).items(), arrays_specs)}
+    extra = {
+        k: put(v, mesh, s)
+        for (k, v), s in zip(kw.pop("arrays", {}).items(), arrays_specs, strict=True)
+    }
     plan = jaxembed.plan_embedding_bag(
         mesh, x.shape, table.shape, x_spec=x_spec, weight_spec=weight_spec, out_spec=out_spec,
         num_bags=extra["lengths"].shape[-1] if "lengths" in extra else None,
@@ -128,7 +131,7 @@ def check_bag_hlo(plan, text, mesh):
     "layout", ["rows", "rows-over-data-model", "hidden", "1d-rows-ids-split", "rows-bag-axis-split"]
 )
 def test_flat_form_matches_reference(layout, combiner, weighted):
-    mesh_shape, w_spec, x_spec, out_spec = LAYOUTS[layout]
+    mesh_shape, w_spec, x_spec, _ = LAYOUTS[layout]
     mesh = make_mesh(mesh_shape, AxisType.Explicit)
     rng = np.random.default_rng(3 + len(layout))
     lead = (8,)  # eight independent blocks of 4 bags

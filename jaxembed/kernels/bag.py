@@ -260,9 +260,10 @@ _bag.defvjp(_bag_fwd, _bag_bwd)
 
 def _dense_bag(bags: Bags, plan_bag, weight, vocab_size, padding_idx):
     """The pooled lookup without a kernel: one device, or XLA's own partitioning."""
-    batch = ragged.to_bag_batch(
-        bags.ids, lengths=bags.lengths, per_id_weights=bags.weights
-    ) if bags.lengths is not None else ragged.to_bag_batch(bags.ids, per_id_weights=bags.weights)  # fmt: skip
+    if bags.lengths is None:
+        batch = ragged.to_bag_batch(bags.ids, per_id_weights=bags.weights)
+    else:
+        batch = ragged.to_bag_batch(bags.ids, lengths=bags.lengths, per_id_weights=bags.weights)
     valid = ragged.valid_slots(batch, vocab_size, padding_idx)
     scale = ragged.bag_scales(valid, batch.segments, batch.weights, batch.num_bags, plan_bag)
     seg = ragged.global_segments(jnp.where(valid, batch.segments, -1), batch.num_bags)

@@ -98,5 +98,6 @@ def apply_rows(
     )
     put = dict(mode="drop", indices_are_sorted=True, unique_indices=True)
     table = table.at[unique].set(new_w.astype(table.dtype), **put)
-    slots = tuple(s.at[unique].set(n.astype(s.dtype), **put) for s, n in zip(slots, new_state))
+    pairs = zip(slots, new_state, strict=True)
+    slots = tuple(s.at[unique].set(n.astype(s.dtype), **put) for s, n in pairs)
     return table, slots
