@@ -21,6 +21,7 @@ _LAZY = {
     "embedding": "jaxembed.kernels.lookup",
     "embedding_bag": "jaxembed.kernels.bag",
     "plan_embedding_bag": "jaxembed.plan",
+    "optim": "jaxembed.optim",
     "Ragged": "jaxembed.ragged",
     "plan_embedding": "jaxembed.plan",
     "EmbeddingPlan": "jaxembed.plan",
@@ -35,6 +36,7 @@ __all__ = [
     "Ragged",
     "embedding",
     "embedding_bag",
+    "optim",
     "plan_cross_entropy",
     "plan_embedding",
     "plan_embedding_bag",
@@ -44,5 +46,6 @@ __all__ = [
 
 def __getattr__(name):
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        module = importlib.import_module(_LAZY[name])
+        return module if _LAZY[name] == f"jaxembed.{name}" else getattr(module, name)
     raise AttributeError(f"module 'jaxembed' has no attribute {name!r}")

@@ -51,7 +51,15 @@ from jaxembed.kernels.reshard import apply_moves, gather
 from jaxembed.plan import EmbeddingPlan, Exchange, plan_embedding_bag
 from jaxembed.plan.exchange import operand_has_dim
 
-__all__ = ["Bags", "bag_slot_grads", "embedding_bag", "prepare_bags"]
+__all__ = [
+    "Bags",
+    "bag_slot_grads",
+    "embedding_bag",
+    "exchanged_slot_grads",
+    "moved_bags",
+    "pool",
+    "prepare_bags",
+]
 
 
 class Bags(NamedTuple):
@@ -153,30 +161,38 @@ def bag_slot_grads(
 # --- the bodies ------------------------------------------------------------------------------
 
 
+def pool(plan: EmbeddingPlan, bags: Bags, table: jax.Array):
+    """A block's pooled bags, reduced over the row shards: `(out, winners)` in the body's
+    layout (winners: the slot of each max, int32 like out; None unless max)."""
+    s = _slots(plan, bags, my_bags_only=True)
+    if plan.bag.combiner != "max":
+        pooled = local_ops.pool_sum(table, s.local, s.here, s.segment, s.scale, s.num_segments)
+        return reduce_over_rows(plan, _out_shape(plan, bags, pooled.astype(table.dtype))), None
+    maxima, winners = local_ops.pool_max(table, s.local, s.here, s.segment, s.num_segments)
+    # maxima: f32[G*B, H/K] (-inf: no row here); winners: slot index in the flat block
+    capacity = bags.ids.shape[-1]
+    winners = jnp.where(winners < s.local.shape[0], winners % capacity, capacity)
+    if plan.psum_axes:
+        best = jax.lax.pmax(maxima, plan.psum_axes)
+        mine = jnp.where((maxima == best) & jnp.isfinite(best), winners, capacity)
+        winners = jax.lax.pmin(mine, plan.psum_axes)
+        maxima = best
+    pooled = jnp.where(jnp.isfinite(maxima), maxima, 0.0).astype(table.dtype)
+    return _out_shape(plan, bags, pooled), _out_shape(plan, bags, winners)
+
+
+def moved_bags(plan: EmbeddingPlan, given) -> Bags:
+    """The batch operands as given, moved into the body's layout by the plan's moves."""
+    return Bags(*(apply_moves(a, op.moves) if a is not None else None for a, op in
+                  zip(_unpack(plan, given), _ops_by_name(plan), strict=True)))  # fmt: skip
+
+
 def _forward_body(plan: EmbeddingPlan, *arrays):
     # arrays: ids i32[*lead, N | L] (+ lengths i32[*lead, B], weights f32[*lead, N]), each
     # as given; table f[V/R, H/K] last.
     *given, table = arrays
-    bags = Bags(*(apply_moves(a, op.moves) if a is not None else None for a, op in
-                  zip(_unpack(plan, given), _ops_by_name(plan), strict=True)))  # fmt: skip
-    s = _slots(plan, bags, my_bags_only=True)
-    if plan.bag.combiner == "max":
-        maxima, winners = local_ops.pool_max(table, s.local, s.here, s.segment, s.num_segments)
-        # maxima: f32[G*B, H/K] (-inf: no row here); winners: slot index in the block
-        capacity = bags.ids.shape[-1]
-        winners = jnp.where(winners < s.local.shape[0], winners % capacity, capacity)
-        if plan.psum_axes:
-            best = jax.lax.pmax(maxima, plan.psum_axes)
-            mine = jnp.where((maxima == best) & jnp.isfinite(best), winners, capacity)
-            winners = jax.lax.pmin(mine, plan.psum_axes)
-            maxima = best
-        pooled = jnp.where(jnp.isfinite(maxima), maxima, 0.0).astype(table.dtype)
-        out = _out_shape(plan, bags, pooled)
-        winners = _out_shape(plan, bags, winners)
-    else:
-        pooled = local_ops.pool_sum(table, s.local, s.here, s.segment, s.scale, s.num_segments)
-        out = reduce_over_rows(plan, _out_shape(plan, bags, pooled.astype(table.dtype)))
-        winners = None
+    bags = moved_bags(plan, given)
+    out, winners = pool(plan, bags, table)  # f[*out / body_out_spec, H/K]
     out = apply_moves(out, plan.out_moves)  # f[*out / out_spec, H']
     residuals = (*bags.operands(), *((winners,) if winners is not None else ()))
     return out, residuals

@@ -84,8 +84,17 @@ def rows_gathers(g: Geometry) -> tuple[list[Collective], int]:
     return collectives, buffers
 
 
-def choose_exchange(requested, g: Geometry, forward, transposes, backend):
-    """Weighs the exchanges that apply and picks one (the requested one, or the cheapest)."""
+def choose_exchange(requested, g: Geometry, forward, transposes, backend, *, update=False):
+    """Weighs the exchanges that apply and picks one (the requested one, or the cheapest).
+
+    For a row-sparse update (`update=True`) the dense exchange is not a candidate: it would
+    all-reduce a table-shaped gradient, which the update exists to avoid.
+    """
+    if update and requested == "dense":
+        raise ValueError(
+            "exchange='dense' all-reduces a gradient shard of the table's size, which a "
+            "row-sparse update never builds: use exchange='rows' (or 'routed', or 'auto')"
+        )
     constants = cost.load_constants(backend)
     row_bytes = g.hidden_local * g.e
     slots = math.prod(g.ids_local)
@@ -134,6 +143,8 @@ def choose_exchange(requested, g: Geometry, forward, transposes, backend):
             dense,
             0,
         )
+        if update:
+            del options["dense"]
         rows, buffers = rows_gathers(g)
         options["rows"] = (
             candidate(

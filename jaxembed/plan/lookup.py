@@ -92,6 +92,7 @@ def plan_embedding(
     gradient_exchange: Exchange | None = None,
     row_sharding: str = "block",
     backend: str | None = None,
+    update: bool = False,
 ) -> EmbeddingPlan:
     """Plans a sharded lookup `weight[x]` and its gradient on `mesh`.
 
@@ -111,6 +112,8 @@ def plan_embedding(
       row_sharding: `"block"` (contiguous row blocks per shard) or `"mod"` (id i on shard
         i mod n, at local row i div n).
       backend: the platform whose cost constants decide `"auto"` (default: the mesh's).
+      update: plan a row-sparse update (`jaxembed.optim`) instead of a gradient: the
+        exchange is never `"dense"` (no table-shaped buffer is ever reduced).
 
     Returns:
       An `EmbeddingPlan`.
@@ -135,7 +138,7 @@ def plan_embedding(
         mesh, x_shape, weight_shape, x_spec=x_spec, weight_spec=weight_spec, out_spec=out_spec,
         padding_idx=padding_idx, vocab_size=vocab_size, dtype=dtype, ids_dtype=ids_dtype,
         exchange=_exchange_arg(exchange, gradient_exchange), row_sharding=row_sharding,
-        backend=backend, bag=None, lengths_spec=None, weights_spec=None,
+        backend=backend, bag=None, lengths_spec=None, weights_spec=None, update=update,
     )  # fmt: skip
 
 
@@ -159,6 +162,7 @@ def plan_embedding_bag(
     exchange: Exchange = "auto",
     row_sharding: str = "block",
     backend: str | None = None,
+    update: bool = False,
 ) -> EmbeddingPlan:
     """Plans a sharded bag lookup (`jaxembed.embedding_bag`) and its gradient on `mesh`.
 
@@ -169,7 +173,7 @@ def plan_embedding_bag(
 
     Args:
       mesh, weight_shape, weight_spec, out_spec, padding_idx, vocab_size, dtype, ids_dtype,
-        exchange, row_sharding, backend: as in `plan_embedding`.
+        exchange, row_sharding, backend, update: as in `plan_embedding`.
       x_shape: the ids: `[*batch, L]` (dense form, a bag per row) when `num_bags` is None,
         else `[*lead, N]` (flat form, `num_bags` bags per lead element read in order).
       num_bags: None for the dense form; B of the flat form (lengths are `[*lead, B]`).
@@ -210,7 +214,7 @@ def plan_embedding_bag(
         padding_idx=padding_idx, vocab_size=vocab_size, dtype=dtype, ids_dtype=ids_dtype,
         exchange=exchange, row_sharding=row_sharding, backend=backend, bag=bag,
         lengths_spec=lengths_spec if form == "flat" else None,
-        weights_spec=weights_spec if weighted else None,
+        weights_spec=weights_spec if weighted else None, update=update,
     )  # fmt: skip
 
 
@@ -227,7 +231,7 @@ def _exchange_arg(exchange: Any, gradient_exchange: Any) -> Any:
 
 def _plan(mesh, x_shape, weight_shape, *, x_spec, weight_spec, out_spec, padding_idx,
           vocab_size, dtype, ids_dtype, exchange, row_sharding, backend, bag, lengths_spec,
-          weights_spec) -> EmbeddingPlan:  # fmt: skip
+          weights_spec, update) -> EmbeddingPlan:  # fmt: skip
     names = layout.axis_names_of(mesh)
     sizes = dict(zip(names, mesh_sizes(mesh), strict=True))
     return _plan_cached(
@@ -248,6 +252,7 @@ def _plan(mesh, x_shape, weight_shape, *, x_spec, weight_spec, out_spec, padding
         bag,
         as_spec(lengths_spec),
         as_spec(weights_spec),
+        bool(update),
     )
 
 
@@ -255,7 +260,7 @@ def _plan(mesh, x_shape, weight_shape, *, x_spec, weight_spec, out_spec, padding
 def _plan_cached(
     mesh_axes, explicit, x_shape, weight_shape, x_spec, weight_spec, out_spec, padding_idx,
     vocab_size, dtype, ids_dtype, exchange, row_sharding, backend, bag, lengths_spec,
-    weights_spec,
+    weights_spec, update,
 ) -> EmbeddingPlan:  # fmt: skip
     names = tuple(n for n, _ in mesh_axes)
     sizes = dict(mesh_axes)
@@ -399,7 +404,7 @@ def _plan_cached(
         is_max=is_max, gathers=gathers,
     )  # fmt: skip
     exchange, reason, candidates, exchange_collectives, exchange_buffers = choose_exchange(
-        exchange, geometry, forward, backward_transposes, backend
+        exchange, geometry, forward, backward_transposes, backend, update=update
     )
     backward = backward_transposes + exchange_collectives
 
@@ -447,4 +452,5 @@ def _plan_cached(
         bag=bag,
         row_sharding=row_sharding,
         backend=backend,
+        for_update=update,
     )

@@ -188,6 +188,7 @@ class EmbeddingPlan:
       bag: the bag geometry, or None for a plain lookup.
       row_sharding: `"block"` (contiguous row blocks) or `"mod"` (id i on shard i mod n).
       backend: the platform the cost model was evaluated for.
+      for_update: planned for a row-sparse update (`jaxembed.optim`): no dense exchange.
 
     Properties give derived values: `rows_per_shard`, `table_shard_shape`,
     `gradient_exchange`, `forward_wire_bytes`, `backward_wire_bytes`.
@@ -251,6 +252,7 @@ class EmbeddingPlan:
     bag: BagGeometry | None = None
     row_sharding: str = "block"
     backend: str = "cpu"
+    for_update: bool = False
 
     @property
     def gradient_exchange(self) -> str:

@@ -1,0 +1,105 @@
+"""The row-sparse update as one `shard_map`: backward and optimizer fused, in the table's layout.
+
+`sparse_update(plan, formula, mesh, table, slots, count, operands, out_grad)` runs, on every
+device, what the backward of the lookup (or bag lookup) runs up to the gradient's exchange,
+and then, instead of a scatter-add into a zero shard, `jaxembed.kernels.sparse.apply_rows`:
+dedup, gather the rows and their state, the formula, scatter back. The plan's exchange is
+`rows` (or `none`): the batch's partial sum is resolved by moving ids and output gradients,
+never by an all-reduce of a table-shaped buffer.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+
+from jaxembed.kernels import local as local_ops
+from jaxembed.kernels.bag import exchanged_slot_grads, moved_bags, pool
+from jaxembed.kernels.lookup import out_grad_to_body
+from jaxembed.kernels.reshard import apply_moves, gather
+from jaxembed.kernels.sparse import apply_rows
+from jaxembed.plan import EmbeddingPlan
+
+__all__ = ["sparse_update"]
+
+
+def _plain_slots(plan: EmbeddingPlan, given, out_grad):
+    ids = apply_moves(given[0], plan.ids_operand.moves)  # i32[*batch / ids_spec]
+    out_grad = out_grad_to_body(plan, out_grad)  # f[*batch / ids_spec, H/K]
+    if plan.exchange == "rows":
+        for dim, axes in plan.batch_gathers:
+            ids = gather(ids, axes, dim)
+            out_grad = gather(out_grad, axes, dim)
+    local, here = local_ops.local_rows(plan, ids)
+    return local, here, out_grad
+
+
+def _update_body(plan: EmbeddingPlan, formula: Any, num_slots: int, *arrays):
+    # table f[V/R, H/K], slots f32[V/R(, H/K)]..., count i32[], operands as given, out_grad
+    table, *rest = arrays
+    slots, (count, *given, out_grad) = tuple(rest[:num_slots]), rest[num_slots:]
+    if plan.bag is None:
+        local, here, grads = _plain_slots(plan, given, out_grad)
+    else:
+        bags = moved_bags(plan, given)
+        winners = pool(plan, bags, table)[1] if plan.bag.combiner == "max" else None
+        local, here, grads = exchanged_slot_grads(plan, bags, out_grad, winners)
+    hidden_local = table.shape[1]
+    return apply_rows(
+        formula, table, slots, count, local.reshape(-1), here.reshape(-1),
+        grads.reshape(-1, hidden_local), hidden_axes=plan.hidden_axes,
+        hidden_size=plan.weight_shape[1],
+    )  # fmt: skip
+
+
+def slot_spec(plan: EmbeddingPlan, per_row: bool):
+    """The layout of an optimizer state slot: the table's, or its rows' alone."""
+    from jax.sharding import PartitionSpec as P
+
+    return P(plan.weight_spec[0]) if per_row else plan.weight_spec
+
+
+def sparse_update(
+    plan: EmbeddingPlan,
+    formula: Any,
+    mesh: Any,
+    table: jax.Array,
+    slots: tuple[jax.Array, ...],
+    count: jax.Array,
+    operands: tuple[jax.Array, ...],
+    out_grad: jax.Array,
+    ct_spec: Any,
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Runs the fused backward + update of `plan` with `formula` on `mesh`.
+
+    Args:
+      plan: the lookup's plan, made for an update (its exchange is `rows` or `none`).
+      formula: a `jaxembed.optim.formulas.RowFormula`.
+      mesh: the mesh.
+      table: the table, in `plan.weight_spec`.
+      slots: the optimizer state, one array per formula slot, in the table's layout (per-row
+        slots: its rows' layout).
+      count: int32[], updates applied before this one.
+      operands: the batch operands as given (ids; for bags lengths and weights).
+      out_grad: d loss / d output, in `ct_spec` (the lookup's output layout).
+      ct_spec: out_grad's layout.
+
+    Returns:
+      The new table and slots, in their own layouts.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    slot_specs = tuple(slot_spec(plan, s.per_row) for s in formula.slots)
+    in_specs = (
+        plan.weight_spec, *slot_specs, P(), *(op.given for op in plan.operands), ct_spec,
+    )  # fmt: skip
+    body = jax.shard_map(
+        functools.partial(_update_body, plan, formula, len(slots)),
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=(plan.weight_spec, slot_specs),
+        check_vma=True,
+    )
+    return body(table, *slots, count, *operands, out_grad)

@@ -1,0 +1,237 @@
+"""`RowSparseOptimizer`: an optimizer for embedding tables whose step costs what the batch touches.
+
+    opt = jaxembed.optim.rowwise_adagrad(learning_rate=0.05, eps=1e-8)
+    state = opt.init(table)                          # laid out like the table
+    emb = jaxembed.embedding(ids, table)             # forward, as usual
+    g = jax.grad(loss_of_embeddings)(emb)            # d loss / d emb, [*batch, H]
+    table, state = opt.update(table, state, ids, g)  # backward + update, fused
+
+`update` takes the same ids and keyword arguments as `jaxembed.embedding` (and, for bags, as
+`jaxembed.embedding_bag`: then `out_grad` is the pooled gradient). Under `jax.jit` with the
+table and state donated they are updated in place: no table-sized buffer, no copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxembed.kernels.arrays import is_explicit, move, resolve_mesh, stated_spec
+from jaxembed.kernels.bag import prepare_bags
+from jaxembed.kernels.lookup import as_ids, check_table, cotangent_spec, resolve_layouts
+from jaxembed.kernels.update import _update_body, sparse_update
+from jaxembed.optim.formulas import RowFormula
+from jaxembed.plan import EmbeddingPlan, plan_embedding, plan_embedding_bag
+
+__all__ = ["RowSparseOptimizer", "RowSparseState"]
+
+
+class RowSparseState(NamedTuple):
+    """A table's optimizer state: laid out like the table (per-row slots: like its rows).
+
+    Attributes:
+      count: int32[], the updates applied so far (schedules and Adam's bias correction).
+      slots: the state arrays by name (`accumulator`, `mu`, `nu`, `linear`), f32 `[V, H]`
+        or, for one-per-row slots, `[V]`.
+    """
+
+    count: jax.Array
+    slots: dict[str, jax.Array]
+
+
+_BAG_ARGS = ("lengths", "offsets", "per_id_weights", "combiner", "include_last_offset")
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSparseOptimizer:
+    """A row-sparse optimizer: `init` its state, `update` a table from a batch's gradient.
+
+    Build one with `jaxembed.optim.sgd`, `adagrad`, `rowwise_adagrad`, `adam`,
+    `partial_rowwise_adam` or `ftrl`.
+
+    Attributes:
+      formula: the per-row update (`jaxembed.optim.formulas.RowFormula`).
+    """
+
+    formula: RowFormula
+
+    @property
+    def name(self) -> str:
+        return self.formula.name
+
+    def init(self, table: jax.Array, *, mesh: Any = None, weight_spec: P | None = None):
+        """The initial state of `table`, laid out like it.
+
+        Args:
+          table: the table `[V, H]` (concrete, or traced in an Explicit mesh).
+          mesh: the mesh; default `jax.set_mesh`'s, else the table's own.
+          weight_spec: the table's layout where it cannot be read (a traced table in an
+            Auto mesh).
+
+        Returns:
+          A `RowSparseState` with `count` 0 and every slot at its initial value.
+
+        Raises:
+          ValueError: a traced table in an Auto mesh without `weight_spec`.
+        """
+        check_table(table)
+        num_rows, hidden = table.shape
+        mesh = resolve_mesh(mesh, table)
+        arrays = {s.name: jnp.full(s.shape(num_rows, hidden), s.init, jnp.float32)
+                  for s in self.formula.slots}  # fmt: skip
+        count = jnp.zeros((), jnp.int32)
+        if mesh is None:
+            return RowSparseState(count, arrays)
+        spec = weight_spec if weight_spec is not None else stated_spec(table, mesh)
+        if spec is None:
+            if isinstance(table, jax.core.Tracer):
+                raise ValueError(
+                    "opt.init: the table is traced in an Auto mesh, where its layout cannot be "
+                    "read: pass weight_spec=PartitionSpec(...)"
+                )
+            spec = P()
+        spec = P(*tuple(spec) + (None,) * (2 - len(tuple(spec))))
+        placed = {}
+        for s in self.formula.slots:
+            placed[s.name] = _place(arrays[s.name], mesh, P(spec[0]) if s.per_row else spec)
+        return RowSparseState(_place(count, mesh, P()), placed)
+
+    def update(
+        self,
+        table: jax.Array,
+        state: RowSparseState,
+        x: Any,
+        out_grad: jax.Array,
+        *,
+        padding_idx: int | None = None,
+        vocab_size: int | None = None,
+        mesh: Any = None,
+        x_spec: P | None = None,
+        weight_spec: P | None = None,
+        out_spec: P | None = None,
+        exchange: str = "auto",
+        gradient_exchange: str | None = None,
+        row_sharding: str = "block",
+        lengths: jax.Array | None = None,
+        offsets: jax.Array | None = None,
+        per_id_weights: jax.Array | None = None,
+        combiner: str | None = None,
+        include_last_offset: bool = False,
+    ) -> tuple[jax.Array, RowSparseState]:
+        """Applies one step to the rows the batch touched: backward and update in one kernel.
+
+        The gradients of duplicate ids (within a bag, across bags, across devices) are summed
+        first, then every touched row gets exactly one update; untouched rows and their state
+        are left bitwise as they were; ids out of range or equal to `padding_idx` contribute
+        nothing.
+
+        Args:
+          table: the table, as passed to the lookup.
+          state: this optimizer's state of the table.
+          x: the ids the lookup read (for bags: any `jaxembed.embedding_bag` input form).
+          out_grad: d loss / d output of the lookup, in its output's layout (for bags: the
+            pooled `[B, H]` gradient).
+          padding_idx, vocab_size, mesh, x_spec, weight_spec, out_spec, row_sharding: the
+            lookup's arguments (see `jaxembed.embedding`).
+          exchange: `"auto"`, `"rows"` or `"routed"`; `"dense"` is refused (it all-reduces a
+            table-sized buffer, which this update exists to avoid).
+          gradient_exchange: the old name of `exchange`.
+          lengths, offsets, per_id_weights, combiner, include_last_offset: the bag lookup's
+            arguments; any of them makes this a bag update.
+
+        Returns:
+          `(table, state)`, in their own layouts.
+
+        Raises:
+          ValueError: as the lookup, and `exchange="dense"`.
+        """
+        check_table(table)
+        if gradient_exchange is not None:
+            exchange = gradient_exchange
+        is_bag = any(
+            v is not None for v in (lengths, offsets, per_id_weights, combiner)
+        ) or include_last_offset
+        if is_bag:
+            bags = prepare_bags(x, lengths, offsets, per_id_weights, include_last_offset)
+            operands, ids = bags.operands(), bags.ids
+            combiner = combiner or "sum"
+        else:
+            ids = as_ids(x)
+            operands, bags = (ids,), None
+        mesh = resolve_mesh(mesh, table, ids)
+        common = dict(
+            padding_idx=padding_idx, vocab_size=vocab_size, dtype=table.dtype,
+            ids_dtype=ids.dtype, row_sharding=row_sharding, update=True,
+        )  # fmt: skip
+        if mesh is None or (mesh.size == 1 and x_spec is None and weight_spec is None):
+            plan = self._plan(AbstractMesh((1,), ("_",)), ids, table, bags, combiner, P(), P(),
+                              None, "auto", common)  # fmt: skip
+            slots = tuple(state.slots[s.name] for s in self.formula.slots)
+            new_table, new_slots = _update_body(
+                plan, self.formula, len(slots), table, *slots, state.count, *operands, out_grad
+            )
+            return new_table, self._state(state, new_slots)
+        weight_spec, x_spec = resolve_layouts(
+            ids, table, mesh, x_spec=x_spec, weight_spec=weight_spec, function="opt.update",
+        )  # fmt: skip
+        if weight_spec is None:
+            raise ValueError(
+                "opt.update: the table is traced in an Auto mesh and its layout is unknown; the "
+                "row-sparse update runs in the table's layout: pass weight_spec=PartitionSpec(...)"
+            )
+        plan = self._plan(mesh, ids, table, bags, combiner, x_spec, weight_spec, out_spec,
+                          exchange, common)  # fmt: skip
+        operands = tuple(
+            move(a, mesh, op.given) if not isinstance(a, jax.core.Tracer) else a
+            for a, op in zip(operands, plan.operands, strict=True)
+        )
+        ct_spec = cotangent_spec(plan)
+        out_grad = move(out_grad, mesh, ct_spec)
+        slots = tuple(state.slots[s.name] for s in self.formula.slots)
+        new_table, new_slots = sparse_update(
+            plan, self.formula, mesh, table, slots, state.count, operands, out_grad, ct_spec
+        )
+        return new_table, self._state(state, new_slots)
+
+    def _plan(self, mesh, ids, table, bags, combiner, x_spec, weight_spec, out_spec, exchange,
+              common) -> EmbeddingPlan:  # fmt: skip
+        if bags is None:
+            return plan_embedding(
+                mesh, ids.shape, table.shape, x_spec=x_spec, weight_spec=weight_spec,
+                out_spec=out_spec, exchange=exchange, **common,
+            )  # fmt: skip
+        from jaxembed.kernels.bag import _companion_spec
+
+        return plan_embedding_bag(
+            mesh, ids.shape, table.shape,
+            num_bags=None if bags.lengths is None else bags.lengths.shape[-1],
+            combiner=combiner, weighted=bags.weights is not None, x_spec=x_spec,
+            lengths_spec=_companion_spec(bags.lengths, mesh, x_spec) if x_spec else None,
+            weights_spec=_companion_spec(bags.weights, mesh, x_spec) if x_spec else None,
+            weight_spec=weight_spec, out_spec=out_spec, exchange=exchange, **common,
+        )  # fmt: skip
+
+    def _state(self, state: RowSparseState, slots) -> RowSparseState:
+        names = [s.name for s in self.formula.slots]
+        return RowSparseState(state.count + 1, dict(zip(names, slots, strict=True)))
+
+    def plan(self, *args, **kwargs) -> EmbeddingPlan:
+        """`jaxembed.plan_embedding(..., update=True)` (or `plan_embedding_bag` when `num_bags`
+        or `combiner` is given): the collectives and exchange `update` runs."""
+        if "combiner" in kwargs or "num_bags" in kwargs:
+            return plan_embedding_bag(*args, update=True, **kwargs)
+        return plan_embedding(*args, update=True, **kwargs)
+
+
+def _place(a: jax.Array, mesh: Any, spec: P) -> jax.Array:
+    """Puts a fresh state array in `spec` (outside jit: device_put; inside: the mesh's way)."""
+    if isinstance(mesh, jax.sharding.Mesh) and not isinstance(a, jax.core.Tracer):
+        return jax.device_put(a, NamedSharding(mesh, spec))
+    if is_explicit(mesh):
+        return jax.sharding.reshard(a, spec)
+    return move(a, mesh, spec)
