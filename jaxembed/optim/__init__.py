@@ -76,9 +76,12 @@ def rowwise_adagrad(
     (`formulas.rowwise_adagrad`)."""
     return RowSparseOptimizer(
         formulas.rowwise_adagrad(
-            learning_rate, eps=eps, initial_accumulator_value=initial_accumulator_value,
-            weight_decay=weight_decay, weight_decay_mode=weight_decay_mode,
-        )  # fmt: skip
+            learning_rate,
+            eps=eps,
+            initial_accumulator_value=initial_accumulator_value,
+            weight_decay=weight_decay,
+            weight_decay_mode=weight_decay_mode,
+        )
     )
 
 
@@ -124,7 +127,11 @@ def ftrl(
     """FTRL-proximal per element, as TensorFlow's (`formulas.ftrl`)."""
     return RowSparseOptimizer(
         formulas.ftrl(
-            learning_rate, learning_rate_power=learning_rate_power, l1=l1, l2=l2, beta=beta,
+            learning_rate,
+            learning_rate_power=learning_rate_power,
+            l1=l1,
+            l2=l2,
+            beta=beta,
             initial_accumulator_value=initial_accumulator_value,
-        )  # fmt: skip
+        )
     )

@@ -153,9 +153,10 @@ class RowSparseOptimizer:
         check_table(table)
         if gradient_exchange is not None:
             exchange = gradient_exchange
-        is_bag = any(
-            v is not None for v in (lengths, offsets, per_id_weights, combiner)
-        ) or include_last_offset
+        is_bag = (
+            any(v is not None for v in (lengths, offsets, per_id_weights, combiner))
+            or include_last_offset
+        )
         if is_bag:
             bags = prepare_bags(x, lengths, offsets, per_id_weights, include_last_offset)
             operands, ids = bags.operands(), bags.ids
