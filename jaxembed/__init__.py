@@ -31,9 +31,9 @@ _LAZY = {
 
 __all__ = [
     "EmbeddingPlan",
+    "Ragged",
     "__version__",
     "check_ids",
-    "Ragged",
     "embedding",
     "embedding_bag",
     "optim",
