@@ -110,7 +110,7 @@ def test_equals_optax_dense_update_where_the_math_agrees(name):
     dense = optax.sgd(0.1) if name == "sgd" else optax.adagrad(0.1, 0.1, eps=0.0)
     rng = np.random.default_rng(0)
     ids, table, grad = make_inputs(rng, (8, 8), vocab_size=VOCAB, padding_idx=PAD)
-    table_d, state = run_steps(
+    table_d, _ = run_steps(
         opt, mesh, P("model", None), P("data"), table, [(ids, grad, None)] * 2,
         vocab_size=VOCAB, padding_idx=PAD,
     )  # fmt: skip
