@@ -11,3 +11,6 @@ if _DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_FLAG}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_NUMPY_RANK_PROMOTION", "raise")
+# Plans follow the cost model's default constants, not a calibration file this machine may
+# hold (`jaxembed bench --calibrate`): a test's plan must not depend on where it runs.
+os.environ["JAXEMBED_COST_FILE"] = ""

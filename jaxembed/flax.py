@@ -20,16 +20,20 @@ from flax.linen.linear import default_embed_init
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxembed.kernels.arrays import is_explicit, warn_once
+from jaxembed.kernels.lookup import lookup
 from jaxembed.losses import Reduction, vocab_parallel_cross_entropy
 from jaxembed.nnx import (
+    IDS_ADVICE,
     as_spec,
+    batch_hint,
     check_mesh_names,
     current_mesh,
+    names_mesh_axes,
     pad_rows,
     padded_rows,
     tied_logits,
 )
-from jaxembed.ops import embedding, is_explicit
 
 __all__ = ["Embed"]
 
@@ -41,6 +45,25 @@ def _box_layout(box: Any) -> tuple[Any, P | None]:
     if isinstance(box, nn.Partitioned):
         return current_mesh(box.mesh), box.get_partition_spec()
     return current_mesh(), None
+
+
+# Logical names -> the mesh axes they resolved to when a table was initialized under
+# `nn.logical_axis_rules`. Linen programs often unbox their parameters and apply the model
+# with no rules active (Flax's lm1b, MaxText): then the names are all that is left, and this
+# is the layout the program gave them.
+_RESOLVED_AT_INIT: dict[tuple[Any, ...], P] = {}
+
+_LINEN_TABLE_ADVICE = (
+    "keep the parameter's partitioning box (do not unbox it), or apply the model inside "
+    "flax.linen.logical_axis_rules([...]) as at initialization, or give "
+    "jaxembed.flax.Embed an embedding_init wrapped in nn.with_partitioning(init, "
+    "('model', None))"
+)
+
+
+def _names(box: Any) -> tuple[Any, ...] | None:
+    names = getattr(box, "names", None)
+    return tuple(names) if names is not None else None
 
 
 class Embed(nn.Module):
@@ -81,7 +104,7 @@ class Embed(nn.Module):
       gradient_exchange: `"auto"`, `"dense"` or `"rows"` (see `jaxembed.embedding`).
 
     Examples:
-      >>> import jax, jax.numpy as jnp
+      >>> import functools, jax, jax.numpy as jnp
       >>> import flax.linen as nn
       >>> from jax.sharding import AxisType, PartitionSpec as P
       >>> import jaxembed.flax
@@ -91,10 +114,12 @@ class Embed(nn.Module):
       >>> ids = jnp.zeros((4, 8), jnp.int32)
       >>> rules = [("vocab", "model"), ("embed", None)]
       >>> with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-      ...     abstract = jax.eval_shape(model.init, jax.random.key(0), ids)
+      ...     init = functools.partial(model.init, inputs_sharding=P("data"))
+      ...     abstract = jax.eval_shape(init, jax.random.key(0), ids)
       ...     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
-      ...     variables = jax.jit(model.init, out_shardings=shardings)(jax.random.key(0), ids)
-      ...     out = jax.jit(model.apply)(variables, ids)
+      ...     variables = jax.jit(init, out_shardings=shardings)(jax.random.key(0), ids)
+      ...     out = jax.jit(functools.partial(model.apply, inputs_sharding=P("data")))(
+      ...         variables, ids)
       >>> variables["params"]["embedding"].value.sharding.spec, out.shape
       (P('model', None), (4, 8, 16))
     """
@@ -115,10 +140,16 @@ class Embed(nn.Module):
                 f"padding_idx must be in [0, {self.num_embeddings}) (the vocabulary), got "
                 f"{self.padding_idx}"
             )
-        box = self.param(
-            "embedding", self._init, (self.num_embeddings, self.features), self.param_dtype,
-            unbox=False,
-        )  # fmt: skip
+        if self.has_variable("params", "embedding"):
+            # Applying: read the parameter as stored, without Linen's check of its shape
+            # against `_init`'s here (a table padded for the mesh at initialization keeps its
+            # rows when applied outside that mesh).
+            box = self.get_variable("params", "embedding")
+        else:
+            box = self.param(
+                "embedding", self._init, (self.num_embeddings, self.features),
+                self.param_dtype, unbox=False,
+            )  # fmt: skip
         self.embedding = box.value if isinstance(box, nn.Partitioned) else box
 
     def _init(self, key: jax.Array, shape: tuple[int, int], dtype: Any) -> Any:
@@ -129,6 +160,8 @@ class Embed(nn.Module):
         """
         value = self.embedding_init(key, shape, dtype)
         mesh, spec = _box_layout(value)
+        if isinstance(value, nn.LogicallyPartitioned) and names_mesh_axes(spec, mesh):
+            _RESOLVED_AT_INIT[_names(value)] = spec
         rows = padded_rows(self.num_embeddings, spec, mesh, self.pad_to_multiple_of)
         table = pad_rows(value.value if isinstance(value, nn.Partitioned) else value, rows)
         if spec is not None and is_explicit(mesh):  # born in its layout, as NNX's eager sharding
@@ -139,14 +172,35 @@ class Embed(nn.Module):
     def table_layout(self) -> tuple[Any, P | None]:
         """The mesh to run on and the table's `PartitionSpec`, from the parameter's box.
 
-        Logical names are resolved with the current `nn.logical_axis_rules` (unmatched
-        names are replicated, as in Linen). Without a box the spec is None in an Explicit
-        mesh (the table's type tells it) and `P()` (replicated) otherwise.
+        The box is the parameter's, or, for a parameter stored unboxed (Flax's lm1b and
+        MaxText unbox before training), the one `embedding_init` returns. Logical names are
+        resolved with the current `nn.logical_axis_rules`, else (with a warning) as they
+        were at initialization. Without any of these the spec is None: the table's own
+        layout is read where it can be, and otherwise the lookup falls back to XLA's.
         """
         box = self.scope.get_variable("params", "embedding")
+        if not isinstance(box, nn.Partitioned):  # unboxed: the initializer still names it
+            shape = (self.num_embeddings, self.features)
+            box = jax.eval_shape(
+                lambda key: self.embedding_init(key, shape, self.param_dtype), jax.random.key(0)
+            )
         mesh, spec = _box_layout(box)
-        if spec is None and mesh is not None and not is_explicit(mesh):
-            spec = P()
+        if isinstance(box, nn.LogicallyPartitioned) and not names_mesh_axes(spec, mesh):
+            spec = None
+        if isinstance(box, nn.LogicallyPartitioned) and not any(spec or ()):
+            # No rules active now: the layout these names had at initialization, if any.
+            known = _RESOLVED_AT_INIT.get(_names(box))
+            if known is not None and any(known):
+                warn_once(
+                    "linen-names-at-init",
+                    f"jaxembed.flax.Embed: no logical axis rules are active, so the table's "
+                    f"names {_names(box)} resolve to nothing; jaxembed uses the layout they "
+                    f"had at initialization, {known}. Apply the model inside "
+                    "flax.linen.logical_axis_rules([...]) to state it.",
+                )
+                spec = known
+            elif spec is not None and not any(spec) and mesh is not None and mesh.size > 1:
+                spec = None  # replicated by default, or unknown: let the table's layout tell
         check_mesh_names(spec, mesh, "the table's sharding")
         return mesh, spec
 
@@ -159,7 +213,10 @@ class Embed(nn.Module):
           inputs: integer ids of any shape `[*batch]`.
           out_sharding: the output's layout; default the ids' layout plus the table's hidden
             split (see `jaxembed.embedding`'s `out_spec`).
-          inputs_sharding: the ids' layout; needed under `jit` in an Auto mesh.
+          inputs_sharding: the ids' layout where it cannot be seen (under `jit` in an Auto
+            mesh), used as far as it divides the ids. Default: the logical rules' `"batch"`
+            axis, else the batch split over the mesh axes the table does not use (with a
+            warning naming it).
 
         Returns:
           `[*batch, features]` in `dtype`.
@@ -171,10 +228,11 @@ class Embed(nn.Module):
             )
         (table,) = self.promote_dtype(self.embedding, dtype=self.dtype, inexact=False)
         mesh, spec = self.table_layout()
-        return embedding(
+        return lookup(
             inputs, table, padding_idx=self.padding_idx, vocab_size=self.num_embeddings,
-            mesh=mesh, x_spec=as_spec(inputs_sharding), weight_spec=spec,
-            out_spec=as_spec(out_sharding), gradient_exchange=self.gradient_exchange,
+            mesh=mesh, weight_spec=spec, x_hint=batch_hint(inputs_sharding, current_mesh(mesh)),
+            out_spec=as_spec(out_sharding), exchange=self.gradient_exchange,
+            function="jaxembed.flax.Embed", ids_advice=IDS_ADVICE, table_advice=_LINEN_TABLE_ADVICE,
         )  # fmt: skip
 
     def attend(self, query: jax.Array, *, out_sharding: Any = None) -> jax.Array:

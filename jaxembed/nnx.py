@@ -31,8 +31,9 @@ from flax.nnx.variablelib import VariableMetadata
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxembed.kernels.arrays import is_explicit
+from jaxembed.kernels.lookup import lookup
 from jaxembed.losses import Reduction, vocab_parallel_cross_entropy
-from jaxembed.ops import embedding, is_explicit
 
 __all__ = ["Embed"]
 
@@ -74,6 +75,31 @@ def check_mesh_names(spec: P | None, mesh: Any, what: str) -> None:
                     f"module inside flax.linen.logical_axis_rules([({name!r}, <mesh axis or "
                     "None>), ...]), as at initialization"
                 )
+
+
+def names_mesh_axes(spec: P | None, mesh: Any) -> bool:
+    """Whether every name in `spec` is an axis of `mesh` (False for an unresolved logical
+    name, True when there is no mesh to check against)."""
+    if spec is None or mesh is None:
+        return True
+    for entry in spec:
+        for name in (entry,) if isinstance(entry, str) else entry or ():
+            if name not in mesh.axis_names:
+                return False
+    return True
+
+
+def batch_hint(inputs_sharding: Any, mesh: Any) -> P | None:
+    """The ids' layout a Flax program states: `inputs_sharding`, else the active logical axis
+    rules' mapping of `"batch"` (Flax's and MaxText's name for the batch axis)."""
+    if inputs_sharding is not None:
+        return as_spec(inputs_sharding)
+    rules = core_spmd.get_logical_axis_rules()
+    for name, axes in rules or ():
+        if name == "batch" and axes is not None and mesh is not None:
+            spec = P(axes)
+            return spec if names_mesh_axes(spec, mesh) else None
+    return None
 
 
 def padded_rows(num_embeddings: int, spec: P | None, mesh: Any, multiple: int | None) -> int:
@@ -128,6 +154,16 @@ def _metadata_mesh(metadata: Mapping[str, Any]) -> Any:
 
 
 # --- the module --------------------------------------------------------------------------
+
+IDS_ADVICE = (
+    "pass inputs_sharding=PartitionSpec(...) when calling the module, or run it inside "
+    "flax.linen.logical_axis_rules with a 'batch' axis"
+)
+_NNX_TABLE_ADVICE = (
+    "give the parameter its layout, e.g. jaxembed.nnx.Embed(..., embedding_init="
+    "nnx.with_partitioning(init, ('model', None))) or embedding_metadata={'out_sharding': "
+    "('model', None)}, as for flax.nnx.Embed"
+)
 
 
 def tied_logits(
@@ -229,6 +265,9 @@ class Embed(nnx.Module):
             metadata = {**metadata, **value.metadata}  # the initializer's wins, as in Flax
         spec = _metadata_spec(metadata)
         mesh = current_mesh(_metadata_mesh(metadata))
+        # The layout as the program states it now (logical names through the rules active at
+        # construction), kept for calls made where those rules are no longer active.
+        self.table_spec_at_init = spec if names_mesh_axes(spec, mesh) else None
         rows = padded_rows(num_embeddings, spec, mesh, pad_to_multiple_of)
         if isinstance(value, VariableMetadata):
             value = dataclasses.replace(value, raw_value=pad_rows(value.raw_value, rows))
@@ -248,14 +287,15 @@ class Embed(nnx.Module):
         """The mesh to run on and the table's `PartitionSpec`, from the metadata.
 
         The mesh is the metadata's, else `jax.set_mesh`'s, else None (the arrays' own, or
-        one device). Without sharding metadata the spec is None in an Explicit mesh (the
-        table's type tells it) and `P()` (replicated, Flax's convention) otherwise.
+        one device). Logical names resolve through the logical axis rules active now, else
+        those active when the module was built. Without sharding metadata the spec is None:
+        the table's own layout is read where it can be (a concrete array, an Explicit mesh).
         """
         metadata = self.embedding.get_metadata()
         mesh = current_mesh(_metadata_mesh(metadata))
         spec = _metadata_spec(metadata)
-        if spec is None and mesh is not None and not is_explicit(mesh):
-            spec = P()
+        if not names_mesh_axes(spec, mesh) and names_mesh_axes(self.table_spec_at_init, mesh):
+            spec = self.table_spec_at_init  # logical names, resolved by the rules at __init__
         check_mesh_names(spec, mesh, "the table's sharding")
         return mesh, spec
 
@@ -269,8 +309,10 @@ class Embed(nnx.Module):
           out_sharding: the output's layout (a `PartitionSpec` or `NamedSharding`); default
             the ids' layout plus the table's hidden split. Splitting a batch axis over the
             table's row axis gives a sequence-parallel output (`psum_scatter`).
-          inputs_sharding: the ids' layout; needed under `jit` in an Auto mesh (an Explicit
-            mesh carries it in the ids' type).
+          inputs_sharding: the ids' layout where it cannot be seen (under `jit` in an Auto
+            mesh): used as far as it divides the ids (a `[1, 1]` decoding batch is
+            replicated). Default: the logical rules' `"batch"` axis, else the batch split
+            over the mesh axes the table does not use (with a warning naming it).
 
         Returns:
           `[*batch, features]` in `dtype`.
@@ -282,10 +324,11 @@ class Embed(nnx.Module):
             )
         (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
         mesh, spec = self.table_layout()
-        return embedding(
+        return lookup(
             inputs, table, padding_idx=self.padding_idx, vocab_size=self.num_embeddings,
-            mesh=mesh, x_spec=as_spec(inputs_sharding), weight_spec=spec,
-            out_spec=as_spec(out_sharding), gradient_exchange=self.gradient_exchange,
+            mesh=mesh, weight_spec=spec, x_hint=batch_hint(inputs_sharding, current_mesh(mesh)),
+            out_spec=as_spec(out_sharding), exchange=self.gradient_exchange,
+            function="jaxembed.nnx.Embed", ids_advice=IDS_ADVICE, table_advice=_NNX_TABLE_ADVICE,
         )  # fmt: skip
 
     def attend(self, query: jax.Array, out_sharding: Any = None) -> jax.Array:

@@ -25,6 +25,15 @@ assert len(jax.devices()) == 8, (
 )
 
 
+@pytest.fixture(autouse=True)
+def fresh_warnings():
+    """jaxembed warns once per process for each assumption; each test starts afresh, so a test
+    that makes an assumption sees (and must expect) its warning whatever ran before."""
+    from jaxembed.kernels import arrays
+
+    arrays._WARNED.clear()
+
+
 @pytest.fixture(params=[AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
 def axis_type(request):
     return request.param

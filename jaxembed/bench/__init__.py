@@ -81,14 +81,14 @@ class BenchConfig:
 
 
 QUICK = BenchConfig(
-    vocab=(512,),
+    vocab=(8192,),
     hidden=16,
     ids_shape=(8, 16),
-    dense_regime_ids=(64, 16),
+    dense_regime_ids=(512, 16),
     timing=TimingPolicy(repeats=2, warmup=0, settle=0, min_samples=1, max_seconds=0.5),
-    vocab_sweep=(256, 2048),
+    vocab_sweep=(4096, 32768),
     device_sweep=(1, 8),
-    batch_sweep=(2, 64),
+    batch_sweep=(2, 512),
     quick=True,
 )
 """Tiny shapes for the test suite: every code path, in seconds; timings mean nothing."""

@@ -147,7 +147,7 @@ def spec_text(spec: P) -> str:
     return ",".join(parts) or "replicated"
 
 
-def minimum_wire_bytes(case: Case) -> dict[str, Any]:
+def minimum_wire_bytes(case: Case, exchange: str | None = None) -> dict[str, Any]:
     """DESIGN.md's minimum wire bytes per device for a case, with its parts.
 
     With nd the devices splitting the ids (the batch axes B), nm those splitting the table
@@ -158,6 +158,8 @@ def minimum_wire_bytes(case: Case) -> dict[str, Any]:
 
     Args:
       case: the case.
+      exchange: the exchange to take the minimum of (`"rows"` or `"dense"`: the one the plan
+        chose, which its cost model may pick for speed over bytes); None: the cheaper.
 
     Returns:
       `{"forward": ..., "backward": ..., "total": ..., "exchange": "rows" | "dense" | "none",
@@ -209,11 +211,11 @@ def minimum_wire_bytes(case: Case) -> dict[str, Any]:
         raise ValueError(f"unknown layout kind {kind!r}")
     if nd == 1:
         backward, exchange = 0.0, "none"
-    elif rows_x <= dense:
+    elif exchange == "rows" or (exchange != "dense" and rows_x <= dense) or math.isinf(dense):
         backward, exchange = rows_x, "rows"
     else:
         backward, exchange = dense, "dense"
-        formula += "  [dense regime: backward 2(nd-1)/nd*shard]"
+        formula += "  [dense exchange: backward 2(nd-1)/nd*shard]"
     return {
         "forward": float(forward),
         "backward": float(backward),

@@ -330,8 +330,8 @@ def run_case(
         "table_spec": spec_text(layout.table_spec),
         "ids_spec": spec_text(layout.ids_spec),
         "out_spec": spec_text(layout.out_spec),
-        "minimum_wire_bytes": minimum_wire_bytes(case),
-        "plan": _plan_record(case),
+        "plan": (plan := _plan_record(case)),
+        "minimum_wire_bytes": minimum_wire_bytes(case, plan.get("gradient_exchange")),
         "implementations": {},
     }
     host = _host_inputs(case, seed) if execute else None

@@ -194,11 +194,11 @@ def assumed_ids_spec(shape: tuple[int, ...], mesh: Any, table_spec: P, hint: P |
       >>> from jax.sharding import PartitionSpec as P
       >>> mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
       >>> assumed_ids_spec((8, 128), mesh, P("model", None))
-      PartitionSpec('data', None)
+      P('data', None)
       >>> assumed_ids_spec((1, 1), mesh, P("model", None))        # nothing divides 1
-      PartitionSpec(None, None)
+      P(None, None)
       >>> assumed_ids_spec((8, 128), mesh, P(), hint=P(None, "model"))
-      PartitionSpec(None, 'model')
+      P(None, 'model')
     """
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     if not shape:

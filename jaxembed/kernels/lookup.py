@@ -169,6 +169,7 @@ def resolve_layouts(
     x_hint: P | None = None,
     function: str = "embedding",
     table_advice: str | None = None,
+    ids_advice: str | None = None,
 ) -> tuple[P | None, P]:
     """The table's and the ids' layouts, read where visible, checked, or assumed.
 
@@ -184,6 +185,7 @@ def resolve_layouts(
         `inputs_sharding`): used where it divides, else reduced.
       function: the caller's name, for messages.
       table_advice: what to tell the caller when the table's layout is unknown.
+      ids_advice: what to tell the caller when the ids' layout is assumed.
 
     Raises:
       ValueError: a `weight_spec` or `x_spec` contradicting an Explicit array's type.
@@ -222,13 +224,20 @@ def resolve_layouts(
     if layout_known(x, mesh):
         return weight_spec, spec_of(x, mesh)
     assumed = assumed_ids_spec(tuple(x.shape), mesh, weight_spec, x_hint)
-    source = f"the hint {x_hint}" if x_hint is not None else "a data-parallel batch"
+    if x_hint is not None and normalize_spec(assumed, x.ndim) == normalize_spec(x_hint, x.ndim):
+        return weight_spec, assumed  # the program states it: nothing assumed
+    advice = ids_advice or f"pass x_spec=PartitionSpec(...) to {function}()"
+    if x_hint is not None:
+        why = f"the stated layout {x_hint} does not divide them, so they run as {assumed}"
+    else:
+        why = (
+            f"jaxembed assumes {assumed}: the batch split over the mesh axes the table does "
+            "not use, as far as that divides"
+        )
     warn_once(
         "ids-assumed",
-        f"{function}(): the ids are traced in an Auto mesh, where their layout cannot be "
-        f"seen; jaxembed assumes {assumed} for ids of shape {tuple(x.shape)} ({source}: the "
-        f"batch split over mesh axes the table does not use, where that divides). Pass "
-        f"x_spec=PartitionSpec(...) (inputs_sharding= on the Flax modules) to state it.",
+        f"{function}(): the ids of shape {tuple(x.shape)} are traced in an Auto mesh, where "
+        f"their layout cannot be seen; {why}. To state it: {advice}.",
     )
     return weight_spec, assumed
 
@@ -386,6 +395,7 @@ def lookup(
     x_hint: P | None = None,
     function: str = "embedding",
     table_advice: str | None = None,
+    ids_advice: str | None = None,
 ) -> jax.Array:
     """`embedding` with the hooks the Flax modules use (internal).
 
@@ -403,7 +413,7 @@ def lookup(
         return dense_lookup(x, weight, plan_vocab, padding_idx)
     weight_spec, x_spec = resolve_layouts(
         x, weight, mesh, x_spec=x_spec, weight_spec=weight_spec, x_hint=x_hint,
-        function=function, table_advice=table_advice,
+        function=function, table_advice=table_advice, ids_advice=ids_advice,
     )  # fmt: skip
     if weight_spec is None:  # the table's layout is unknown: XLA's lookup, never a gather
         plan_vocab = weight.shape[0] if vocab_size is None else vocab_size

@@ -94,7 +94,7 @@ class CostConstants:
 # simulated devices (a collective there is a memcpy between threads); GPU and TPU are
 # order-of-magnitude figures for one H100/H200 over NVLink and a TPU v5 chip over ICI.
 BACKENDS: dict[str, CostConstants] = {
-    "cpu": CostConstants("cpu", 2.0e9, 1.0e9, 30e-6),
+    "cpu": CostConstants("cpu", 1.1e9, 0.7e9, 200e-6),
     "gpu": CostConstants("gpu", 150e9, 1.5e12, 15e-6),
     "tpu": CostConstants("tpu", 90e9, 8e11, 10e-6),
 }

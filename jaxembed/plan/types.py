@@ -274,7 +274,7 @@ class EmbeddingPlan:
         for c in self.candidates:
             if c.name == name:
                 return c.wire_bytes - forward
-        return float("nan")
+        return 0.0  # not a candidate here (no batch axes, or an update): nothing to send
 
     @property
     def num_row_shards(self) -> int:

@@ -1,0 +1,330 @@
+// Shared pieces of jaxembed's native CPU kernels: a per-call thread team, bfloat16
+// conversion, row prefetching and a stable parallel radix sort of slots by row.
+//
+// No global state: every kernel call builds its own `Team` (its threads live for the call),
+// so concurrent calls from several simulated devices never share anything.
+
+#ifndef JAXEMBED_KERNELS_NATIVE_COMMON_H_
+#define JAXEMBED_KERNELS_NATIVE_COMMON_H_
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace jaxembed {
+
+// ---- threads ---------------------------------------------------------------------------------
+
+// A fork-join team of `size` threads for one kernel call: `Run(fn)` calls fn(t) for
+// t = 0..size-1 (t = 0 on the calling thread) and returns when all are done. Workers sleep on a
+// condition variable between phases (never spin: the cores are shared with XLA's own threads).
+class Team {
+ public:
+  explicit Team(int size) : size_(std::max(1, size)) {
+    for (int t = 1; t < size_; ++t) workers_.emplace_back([this, t] { Loop(t); });
+  }
+  ~Team() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      ++generation_;
+    }
+    wake_.notify_all();
+    for (auto& w : workers_) w.join();
+  }
+  Team(const Team&) = delete;
+  Team& operator=(const Team&) = delete;
+
+  int size() const { return size_; }
+
+  template <class F>
+  void Run(const F& fn) {
+    if (size_ == 1) {
+      fn(0);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = std::cref(fn);
+      pending_ = size_ - 1;
+      ++generation_;
+    }
+    wake_.notify_all();
+    fn(0);
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [this] { return pending_ == 0; });
+  }
+
+ private:
+  void Loop(int t) {
+    uint64_t seen = 0;
+    for (;;) {
+      std::function<void(int)> job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        wake_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (stop_) return;
+        job = job_;
+      }
+      job(t);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  const int size_;
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable wake_, done_;
+  std::function<void(int)> job_;
+  uint64_t generation_ = 0;
+  int pending_ = 0;
+  bool stop_ = false;
+};
+
+// Threads worth starting for `work` items: at most `requested`, at least `grain` items each.
+inline int ThreadsFor(int64_t requested, int64_t work, int64_t grain = 16384) {
+  int64_t useful = (work + grain - 1) / grain;
+  return static_cast<int>(std::max<int64_t>(1, std::min(requested, useful)));
+}
+
+// The start of part `p` of `parts` equal parts of [0, n).
+inline int64_t PartStart(int64_t n, int parts, int p) { return n * p / parts; }
+
+// ---- element types ---------------------------------------------------------------------------
+
+using bf16_t = uint16_t;
+
+inline float ToF32(float x) { return x; }
+inline float ToF32(bf16_t x) {
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// float32 -> bfloat16 rounding to nearest even, as XLA's convert (NaN stays a quiet NaN).
+inline void FromF32(float x, float* out) { *out = x; }
+inline void FromF32(float x, bf16_t* out) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    *out = static_cast<bf16_t>((u >> 16) | 0x40u);
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  *out = static_cast<bf16_t>(u >> 16);
+}
+
+// ---- weighted sums of rows, 64 columns at a time in registers ----------------------------------
+
+typedef float f32x16 __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x16 __attribute__((vector_size(64), aligned(4)));
+
+inline f32x16 Load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline f32x16 Load16(const bf16_t* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  u32x16 u = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &u, sizeof(v));
+  return v;
+}
+inline void Store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// dst[0:H] = Σ_k s_k · row_k[0:H] over k in [a, b), in order of k, from 0; `get(k, &row, &s)`
+// gives item k's row (T[H]) and factor, or returns false to skip it. Each sum is
+// ((0 + r0·s0) + r1·s1) + ..., multiplies and adds rounded apart, as XLA's `rows * scale`
+// then segment_sum. The accumulators of 64 columns stay in registers for the whole run (the
+// output is stored once): the random row reads of consecutive items then overlap in the
+// out-of-order core, which measured faster here than software prefetching.
+template <class T, class Get>
+inline void WeightedSum(float* __restrict dst, int64_t H, int64_t a, int64_t b, const Get& get) {
+  int64_t c = 0;
+  for (; c + 64 <= H; c += 64) {
+    f32x16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int64_t k = a; k < b; ++k) {
+      const T* row;
+      float s;
+      if (!get(k, &row, &s)) continue;
+      row += c;
+      const f32x16 sv = f32x16{} + s;
+      a0 = a0 + Load16(row) * sv;
+      a1 = a1 + Load16(row + 16) * sv;
+      a2 = a2 + Load16(row + 32) * sv;
+      a3 = a3 + Load16(row + 48) * sv;
+    }
+    Store16(dst + c, a0);
+    Store16(dst + c + 16, a1);
+    Store16(dst + c + 32, a2);
+    Store16(dst + c + 48, a3);
+  }
+  for (; c + 16 <= H; c += 16) {
+    f32x16 a0 = {};
+    for (int64_t k = a; k < b; ++k) {
+      const T* row;
+      float s;
+      if (!get(k, &row, &s)) continue;
+      a0 = a0 + Load16(row + c) * (f32x16{} + s);
+    }
+    Store16(dst + c, a0);
+  }
+  if (c < H) {
+    float tail[16] = {};
+    const int64_t n = H - c;
+    for (int64_t k = a; k < b; ++k) {
+      const T* row;
+      float s;
+      if (!get(k, &row, &s)) continue;
+      for (int64_t h = 0; h < n; ++h) tail[h] = tail[h] + ToF32(row[c + h]) * s;
+    }
+    std::memcpy(dst + c, tail, n * sizeof(float));
+  }
+}
+
+// Prefetch a row of `bytes` bytes into the cache, one line at a time.
+//
+// The idea is FBGEMM's EmbeddingSpMDM (`prefetch=16`): while pooling slot i, ask for the rows of
+// slot i + distance, so the random reads of a big table overlap with the arithmetic.
+inline void PrefetchRow(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
+}
+inline void PrefetchRowForWrite(void* row, int64_t bytes) {
+  char* p = static_cast<char*>(row);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 1, 3);
+}
+#ifndef JAXEMBED_PREFETCH_DISTANCE
+#define JAXEMBED_PREFETCH_DISTANCE 16
+#endif
+constexpr int64_t kPrefetchDistance = JAXEMBED_PREFETCH_DISTANCE;
+
+// An uninitialized heap array (std::vector would zero it: a wasted pass over the memory).
+template <class T>
+std::unique_ptr<T[]> Uninitialized(int64_t n) {
+  return std::unique_ptr<T[]>(new T[static_cast<size_t>(std::max<int64_t>(n, 1))]);
+}
+
+// ---- grouping slots by row: a stable LSD radix sort --------------------------------------------
+
+// The slots sorted by key (ties in slot order): `keys[j]`, `slots[j]` for j < n.
+struct SortedSlots {
+  std::unique_ptr<uint32_t[]> keys;
+  std::unique_ptr<int32_t[]> slots;
+  int64_t n = 0;
+};
+
+constexpr int kMaxDigitBits = 11;
+
+// Sorts the candidates i in [0, m) whose `key_of(i)` is >= 0 (keys < 2^bits) by key, stably.
+//
+// Not a comparison sort: LSD radix with digits of at most 11 bits (2 passes for 2M rows). The
+// first pass reads the candidates in place and skips the ones with a negative key, so the
+// compaction of the live slots costs no pass of its own. Each pass is parallel: every thread
+// counts its contiguous chunk, the counts are laid out digit-major / thread-minor, and every
+// thread scatters its chunk in order, which keeps the sort stable (FBGEMM's CPU backward groups
+// a batch's indices by row with a parallel radix sort too).
+template <class KeyOf>
+SortedSlots SortSlotsByKey(int64_t m, int bits, const KeyOf& key_of, Team& team) {
+  const int threads = team.size();
+  const int passes = bits <= 0 ? 1 : (bits + kMaxDigitBits - 1) / kMaxDigitBits;
+  const int digit_bits = bits <= 0 ? 0 : (bits + passes - 1) / passes;
+  const int64_t buckets = int64_t{1} << digit_bits;
+  const uint32_t mask = static_cast<uint32_t>(buckets - 1);
+  std::vector<int64_t> counts(static_cast<size_t>(threads * buckets));
+
+  auto exclusive_scan = [&]() {
+    int64_t total = 0;
+    for (int64_t d = 0; d < buckets; ++d) {
+      for (int t = 0; t < threads; ++t) {
+        int64_t c = counts[t * buckets + d];
+        counts[t * buckets + d] = total;
+        total += c;
+      }
+    }
+    return total;
+  };
+
+  // Pass 0: candidates -> (keys_a, slots_a), by the lowest digit.
+  team.Run([&](int t) {
+    int64_t* c = &counts[t * buckets];
+    std::fill(c, c + buckets, 0);
+    for (int64_t i = PartStart(m, threads, t), e = PartStart(m, threads, t + 1); i < e; ++i) {
+      int64_t k = key_of(i);
+      if (k >= 0) ++c[static_cast<uint32_t>(k) & mask];
+    }
+  });
+  SortedSlots out;
+  out.n = exclusive_scan();
+  const int64_t n = out.n;
+  auto keys_a = Uninitialized<uint32_t>(n);
+  auto slots_a = Uninitialized<int32_t>(n);
+  team.Run([&](int t) {
+    int64_t* c = &counts[t * buckets];
+    for (int64_t i = PartStart(m, threads, t), e = PartStart(m, threads, t + 1); i < e; ++i) {
+      int64_t k = key_of(i);
+      if (k < 0) continue;
+      int64_t p = c[static_cast<uint32_t>(k) & mask]++;
+      keys_a[p] = static_cast<uint32_t>(k);
+      slots_a[p] = static_cast<int32_t>(i);
+    }
+  });
+  if (passes > 1) {
+    auto keys_b = Uninitialized<uint32_t>(n);
+    auto slots_b = Uninitialized<int32_t>(n);
+    for (int pass = 1; pass < passes; ++pass) {
+      const int shift = pass * digit_bits;
+      team.Run([&](int t) {
+        int64_t* c = &counts[t * buckets];
+        std::fill(c, c + buckets, 0);
+        for (int64_t j = PartStart(n, threads, t), e = PartStart(n, threads, t + 1); j < e; ++j)
+          ++c[(keys_a[j] >> shift) & mask];
+      });
+      exclusive_scan();
+      team.Run([&](int t) {
+        int64_t* c = &counts[t * buckets];
+        for (int64_t j = PartStart(n, threads, t), e = PartStart(n, threads, t + 1); j < e; ++j) {
+          int64_t p = c[(keys_a[j] >> shift) & mask]++;
+          keys_b[p] = keys_a[j];
+          slots_b[p] = slots_a[j];
+        }
+      });
+      std::swap(keys_a, keys_b);
+      std::swap(slots_a, slots_b);
+    }
+  }
+  out.keys = std::move(keys_a);
+  out.slots = std::move(slots_a);
+  return out;
+}
+
+// The start of thread t's share of the sorted slots, moved forward to a run boundary so that
+// every key (row) belongs to exactly one thread.
+inline int64_t RunAlignedStart(const SortedSlots& s, int threads, int t) {
+  int64_t p = PartStart(s.n, threads, t);
+  while (p > 0 && p < s.n && s.keys[p] == s.keys[p - 1]) ++p;
+  return p;
+}
+
+// Bits needed for keys in [0, span).
+inline int BitsFor(uint64_t span) {
+  int bits = 0;
+  while (bits < 64 && (uint64_t{1} << bits) < span) ++bits;
+  return bits;
+}
+
+}  // namespace jaxembed
+
+#endif  // JAXEMBED_KERNELS_NATIVE_COMMON_H_

@@ -1,0 +1,852 @@
+// jaxembed's native CPU kernels: the shard-local gather / pool / scatter / dedup + update of
+// jaxembed/kernels/local.py and jaxembed/kernels/sparse.py, as XLA FFI handlers.
+//
+// Each handler is one C++ function behind one XLA_FFI_DEFINE_HANDLER_SYMBOL, typed with
+// ffi::Buffer, the thread count an attribute; bad shapes or attributes return an ffi::Error that
+// names the value and the limit (never an abort). Every index is bounds-checked: a slot's row
+// is read only when 0 <= row < R, a bag only when 0 <= segment < S.
+//
+// Shapes (per shard): table f[R, H] (f32 or bf16), slots M (local i32[M], valid bool[M],
+// segments i32[M], scale f32[M]), bags S (out_grad f[S, H]).
+//
+// Determinism: every output element is written by one thread, adding in slot order, so results
+// do not depend on the thread count (pool_sum, the scatters and the summed gradients of the
+// update add in the same order as XLA's segment_sum / scatter-add).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common.h"
+#include "formulas.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxembed {
+
+// Attributes of the row-sparse updates (all of them, as one struct; see build.py / __init__.py).
+struct UpdateAttrs {
+  std::string_view formula;
+  int64_t num_threads;
+  float weight_decay;
+  int64_t has_weight_decay;
+  int64_t decoupled;
+  float eps;
+  float b1;
+  float one_minus_b1;
+  float b2;
+  float one_minus_b2;
+  float hidden;
+  float q;
+  float l1;
+  float two_l2;
+  float beta;
+  int64_t power_mode;
+};
+
+}  // namespace jaxembed
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jaxembed::UpdateAttrs, ::xla::ffi::StructMember<std::string_view>("formula"),
+    ::xla::ffi::StructMember<int64_t>("num_threads"),
+    ::xla::ffi::StructMember<float>("weight_decay"),
+    ::xla::ffi::StructMember<int64_t>("has_weight_decay"),
+    ::xla::ffi::StructMember<int64_t>("decoupled"), ::xla::ffi::StructMember<float>("eps"),
+    ::xla::ffi::StructMember<float>("b1"), ::xla::ffi::StructMember<float>("one_minus_b1"),
+    ::xla::ffi::StructMember<float>("b2"), ::xla::ffi::StructMember<float>("one_minus_b2"),
+    ::xla::ffi::StructMember<float>("hidden"), ::xla::ffi::StructMember<float>("q"),
+    ::xla::ffi::StructMember<float>("l1"), ::xla::ffi::StructMember<float>("two_l2"),
+    ::xla::ffi::StructMember<float>("beta"), ::xla::ffi::StructMember<int64_t>("power_mode"));
+
+namespace jaxembed {
+namespace {
+
+// ---- checks ---------------------------------------------------------------------------------
+
+std::string Dims(ffi::AnyBuffer::Dimensions d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+ffi::Error Invalid(const char* kernel, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string("jaxembed native ") + kernel + ": " + what);
+}
+
+ffi::Error CheckThreads(const char* kernel, int64_t num_threads) {
+  if (num_threads < 1 || num_threads > 1024) {
+    return Invalid(kernel, "num_threads=" + std::to_string(num_threads) +
+                               " must be in [1, 1024] (set JAXEMBED_NUM_THREADS)");
+  }
+  return ffi::Error::Success();
+}
+
+bool IsTableType(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
+
+ffi::Error CheckMatrix(const char* kernel, const char* name, ffi::AnyBuffer b) {
+  if (b.dimensions().size() != 2) {
+    return Invalid(kernel, std::string(name) + " must be 2-D [rows, H], got shape " +
+                               Dims(b.dimensions()));
+  }
+  if (!IsTableType(b.element_type())) {
+    return Invalid(kernel, std::string(name) + " must be float32 or bfloat16, got dtype code " +
+                               std::to_string(static_cast<int>(b.element_type())));
+  }
+  return ffi::Error::Success();
+}
+
+// local i32[M] and valid bool[M] (and segments i32[M], scale f32[M] when given) agree.
+ffi::Error CheckSlots(const char* kernel, ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> valid,
+                      const ffi::Buffer<ffi::S32>* segments = nullptr,
+                      const ffi::Buffer<ffi::F32>* scale = nullptr) {
+  if (local.dimensions().size() != 1) {
+    return Invalid(kernel, "local must be 1-D [M] (reshape in Python), got shape " +
+                               Dims(local.dimensions()));
+  }
+  const int64_t m = local.element_count();
+  if (m > std::numeric_limits<int32_t>::max()) {
+    return Invalid(kernel, "M=" + std::to_string(m) + " slots exceeds the limit 2^31 - 1");
+  }
+  auto same = [&](const char* name, ffi::AnyBuffer::Dimensions d) -> ffi::Error {
+    if (d.size() != 1 || d[0] != m) {
+      return Invalid(kernel, std::string(name) + " has shape " + Dims(d) + " but local has [" +
+                                 std::to_string(m) + "]: every per-slot operand must be [M]");
+    }
+    return ffi::Error::Success();
+  };
+  if (auto e = same("valid", valid.dimensions()); e.failure()) return e;
+  if (segments)
+    if (auto e = same("segments", segments->dimensions()); e.failure()) return e;
+  if (scale)
+    if (auto e = same("scale", scale->dimensions()); e.failure()) return e;
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckShape(const char* kernel, const char* name, ffi::AnyBuffer::Dimensions got,
+                      std::vector<int64_t> want) {
+  bool ok = got.size() == want.size();
+  for (size_t i = 0; ok && i < want.size(); ++i) ok = got[i] == want[i];
+  if (ok) return ffi::Error::Success();
+  std::string w = "[";
+  for (size_t i = 0; i < want.size(); ++i) w += (i ? ", " : "") + std::to_string(want[i]);
+  return Invalid(kernel, std::string(name) + " has shape " + Dims(got) + ", expected " + w + "]");
+}
+
+// Runs f.template operator()<T>() with T the C++ type of a float32 / bfloat16 buffer.
+template <class F>
+void DispatchFloat(ffi::DataType t, const F& f) {
+  if (t == ffi::DataType::F32) {
+    f(float{});
+  } else {
+    f(bf16_t{});
+  }
+}
+
+inline int64_t ClampRow(int64_t r, int64_t rows) { return r < 0 ? 0 : (r >= rows ? rows - 1 : r); }
+
+// ---- gather_rows ------------------------------------------------------------------------------
+
+template <class T>
+void GatherRows(const T* table, int64_t R, int64_t H, const int32_t* local, const bool* valid,
+                int64_t M, T* out, int64_t num_threads) {
+  Team team(ThreadsFor(num_threads, M));
+  const int threads = team.size();
+  const int64_t bytes = H * static_cast<int64_t>(sizeof(T));
+  team.Run([&](int t) {
+    const int64_t e = PartStart(M, threads, t + 1);
+    for (int64_t i = PartStart(M, threads, t); i < e; ++i) {
+      const int64_t ahead = i + kPrefetchDistance;
+      if (ahead < e && valid[ahead] && R > 0) PrefetchRow(table + ClampRow(local[ahead], R) * H, bytes);
+      if (valid[i] && R > 0) {
+        std::memcpy(out + i * H, table + ClampRow(local[i], R) * H, bytes);
+      } else {
+        std::memset(out + i * H, 0, bytes);
+      }
+    }
+  });
+}
+
+ffi::Error GatherRowsImpl(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> local,
+                          ffi::Buffer<ffi::PRED> valid, ffi::Result<ffi::AnyBuffer> out,
+                          int64_t num_threads) {
+  constexpr const char* k = "gather_rows";
+  if (auto e = CheckThreads(k, num_threads); e.failure()) return e;
+  if (auto e = CheckMatrix(k, "table", table); e.failure()) return e;
+  if (auto e = CheckSlots(k, local, valid); e.failure()) return e;
+  const int64_t R = table.dimensions()[0], H = table.dimensions()[1], M = local.element_count();
+  if (auto e = CheckShape(k, "out", out->dimensions(), {M, H}); e.failure()) return e;
+  if (out->element_type() != table.element_type()) return Invalid(k, "out must have the table's dtype");
+  if (M == 0 || H == 0) return ffi::Error::Success();
+  DispatchFloat(table.element_type(), [&](auto zero) {
+    using T = decltype(zero);
+    GatherRows<T>(static_cast<const T*>(table.untyped_data()), R, H, local.typed_data(),
+                  valid.typed_data(), M, static_cast<T*>(out->untyped_data()), num_threads);
+  });
+  return ffi::Error::Success();
+}
+
+// ---- segments: visit every bag once, its slots in slot order ---------------------------------
+
+// Calls v.Bag(s, a, b, get) once for every bag s in [0, S), each bag on one thread: the live
+// slots of bag s (valid[i] and 0 <= segments[i] < S) are the `get(k)` >= 0 for k in [a, b),
+// in slot order.
+//
+// Bags usually arrive as runs of consecutive slots (flat or dense forms): then the slots are
+// split among threads at bag boundaries and each bag is the run of slots in place. Otherwise a
+// stable counting sort (per-thread counts, bag-major / thread-minor offsets) lists each bag's
+// slots first. Either way the result does not depend on the number of threads.
+template <class Visitor>
+void ForEachSegment(int64_t M, int64_t S, const int32_t* seg, const bool* valid, Team& team,
+                    const Visitor& v) {
+  const int threads = team.size();
+  auto live = [=](int64_t i) { return valid[i] && seg[i] >= 0 && seg[i] < S; };
+  // Are the live slots' bags non-decreasing?
+  struct Chunk {
+    bool sorted = true;
+    int64_t first = -1, last = -1;
+  };
+  std::vector<Chunk> chunks(threads);
+  team.Run([&](int t) {
+    Chunk c;
+    for (int64_t i = PartStart(M, threads, t), e = PartStart(M, threads, t + 1); i < e; ++i) {
+      if (!live(i)) continue;
+      if (c.first < 0) c.first = seg[i];
+      if (seg[i] < c.last) c.sorted = false;
+      c.last = seg[i];
+    }
+    chunks[t] = c;
+  });
+  bool sorted = true;
+  int64_t last = -1;
+  for (const Chunk& c : chunks) {
+    sorted = sorted && c.sorted && (c.first < 0 || c.first >= last);
+    if (c.last >= 0) last = c.last;
+  }
+  auto none = [](int64_t) -> int64_t { return -1; };
+  auto empty_bags = [&](int64_t from, int64_t to) {
+    for (int64_t s = from; s < to; ++s) v.Bag(s, 0, 0, none);
+  };
+
+  if (sorted) {
+    // Thread t: slots [start[t], start[t + 1]), bags [first[t], first[t + 1]).
+    std::vector<int64_t> start(threads + 1, M), first(threads + 1, S);
+    start[0] = 0;
+    first[0] = 0;
+    for (int t = 1; t < threads; ++t) {
+      int64_t j = PartStart(M, threads, t);
+      while (j < M && !live(j)) ++j;
+      if (j == M) continue;
+      const int64_t s = seg[j];
+      int64_t k = j;
+      for (int64_t i = j - 1; i >= 0; --i) {
+        if (!live(i)) continue;
+        if (seg[i] != s) break;
+        k = i;
+      }
+      start[t] = k;
+      first[t] = s;
+    }
+    auto in_run = [=](int64_t i) -> int64_t { return live(i) ? i : -1; };
+    team.Run([&](int t) {
+      const int64_t end = start[t + 1];
+      int64_t next = first[t];
+      for (int64_t i = start[t]; i < end;) {
+        if (!live(i)) {
+          ++i;
+          continue;
+        }
+        const int64_t s = seg[i];
+        int64_t j = i + 1;  // the run of bag s: up to the next live slot of another bag
+        while (j < end && (!live(j) || seg[j] == s)) ++j;
+        empty_bags(next, s);
+        v.Bag(s, i, j, in_run);
+        next = s + 1;
+        i = j;
+      }
+      empty_bags(next, first[t + 1]);
+    });
+    return;
+  }
+
+  // Counting sort of the live slots by bag, stable.
+  std::vector<int64_t> counts(static_cast<size_t>(threads) * S);
+  team.Run([&](int t) {
+    int64_t* c = counts.data() + t * S;
+    for (int64_t i = PartStart(M, threads, t), e = PartStart(M, threads, t + 1); i < e; ++i)
+      if (live(i)) ++c[seg[i]];
+  });
+  std::vector<int64_t> bag_start(S + 1);
+  int64_t total = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    bag_start[s] = total;
+    for (int t = 0; t < threads; ++t) {
+      int64_t c = counts[t * S + s];
+      counts[t * S + s] = total;
+      total += c;
+    }
+  }
+  bag_start[S] = total;
+  auto order = Uninitialized<int32_t>(total);
+  team.Run([&](int t) {
+    int64_t* c = counts.data() + t * S;
+    for (int64_t i = PartStart(M, threads, t), e = PartStart(M, threads, t + 1); i < e; ++i)
+      if (live(i)) order[c[seg[i]]++] = static_cast<int32_t>(i);
+  });
+  const int32_t* listed = order.get();
+  auto in_list = [=](int64_t k) -> int64_t { return listed[k]; };
+  team.Run([&](int t) {
+    // Bags split so that each thread gets about total / threads slots.
+    auto bag_at = [&](int p) -> int64_t {
+      if (p == 0) return 0;
+      if (p == threads) return S;
+      const int64_t target = PartStart(total, threads, p);
+      return std::lower_bound(bag_start.begin(), bag_start.end() - 1, target) - bag_start.begin();
+    };
+    const int64_t lo = bag_at(t), hi = std::max(lo, bag_at(t + 1));
+    for (int64_t s = lo; s < hi; ++s) v.Bag(s, bag_start[s], bag_start[s + 1], in_list);
+  });
+}
+
+// ---- pool_sum ---------------------------------------------------------------------------------
+
+template <class T>
+struct SumVisitor {
+  const T* table;
+  int64_t R, H;
+  const int32_t* local;
+  const float* scale;
+  float* out;
+
+  template <class Get>
+  void Bag(int64_t s, int64_t a, int64_t b, const Get& get) const {
+    const T* tab = table;
+    const int64_t rows = R, h = H;
+    const int32_t* loc = local;
+    const float* sc = scale;
+    WeightedSum<T>(out + s * H, H, a, b, [&](int64_t k, const T** row, float* f) {
+      const int64_t i = get(k);
+      if (i < 0 || rows == 0) return false;
+      *row = tab + ClampRow(loc[i], rows) * h;
+      *f = sc[i];
+      return true;
+    });
+  }
+};
+
+ffi::Error PoolSumImpl(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> local,
+                       ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::S32> segments,
+                       ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                       int64_t num_threads) {
+  constexpr const char* k = "pool_sum";
+  if (auto e = CheckThreads(k, num_threads); e.failure()) return e;
+  if (auto e = CheckMatrix(k, "table", table); e.failure()) return e;
+  if (auto e = CheckSlots(k, local, valid, &segments, &scale); e.failure()) return e;
+  const int64_t R = table.dimensions()[0], H = table.dimensions()[1], M = local.element_count();
+  if (out->dimensions().size() != 2 || out->dimensions()[1] != H) {
+    return Invalid(k, "out has shape " + Dims(out->dimensions()) + ", expected [S, " +
+                          std::to_string(H) + "]");
+  }
+  const int64_t S = out->dimensions()[0];
+  if (S * H == 0) return ffi::Error::Success();
+  Team team(ThreadsFor(num_threads, std::max(M, S)));
+  DispatchFloat(table.element_type(), [&](auto zero) {
+    using T = decltype(zero);
+    SumVisitor<T> v{static_cast<const T*>(table.untyped_data()), R, H, local.typed_data(),
+                    scale.typed_data(), out->typed_data()};
+    ForEachSegment(M, S, segments.typed_data(), valid.typed_data(), team, v);
+  });
+  return ffi::Error::Success();
+}
+
+// ---- pool_max ---------------------------------------------------------------------------------
+
+template <class T>
+struct MaxVisitor {
+  const T* table;
+  int64_t R, H, M;
+  const int32_t* local;
+  float* maxima;
+  int32_t* winners;
+
+  // The first slot reaching the maximum wins; a NaN makes the maximum NaN with no winner (as
+  // XLA's NaN-propagating max, and `rows == maxima` false for NaN).
+  template <class Get>
+  void Bag(int64_t s, int64_t a, int64_t b, const Get& get) const {
+    float* mx = maxima + s * H;
+    int32_t* wn = winners + s * H;
+    std::fill(mx, mx + H, -std::numeric_limits<float>::infinity());
+    std::fill(wn, wn + H, static_cast<int32_t>(M));
+    for (int64_t k = a; k < b; ++k) {
+      const int64_t i = get(k);
+      if (i < 0 || R == 0) continue;
+      const T* row = table + ClampRow(local[i], R) * H;
+      for (int64_t h = 0; h < H; ++h) {
+        const float x = ToF32(row[h]);
+        const float m = mx[h];
+        if (std::isnan(m)) continue;
+        if (std::isnan(x)) {
+          mx[h] = x;
+          wn[h] = static_cast<int32_t>(M);
+        } else if (x > m || (x == m && wn[h] == M)) {
+          mx[h] = x;
+          wn[h] = static_cast<int32_t>(i);
+        }
+      }
+    }
+  }
+};
+
+ffi::Error PoolMaxImpl(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> local,
+                       ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::S32> segments,
+                       ffi::Result<ffi::Buffer<ffi::F32>> maxima,
+                       ffi::Result<ffi::Buffer<ffi::S32>> winners, int64_t num_threads) {
+  constexpr const char* k = "pool_max";
+  if (auto e = CheckThreads(k, num_threads); e.failure()) return e;
+  if (auto e = CheckMatrix(k, "table", table); e.failure()) return e;
+  if (auto e = CheckSlots(k, local, valid, &segments); e.failure()) return e;
+  const int64_t R = table.dimensions()[0], H = table.dimensions()[1], M = local.element_count();
+  if (maxima->dimensions().size() != 2 || maxima->dimensions()[1] != H) {
+    return Invalid(k, "maxima has shape " + Dims(maxima->dimensions()) + ", expected [S, " +
+                          std::to_string(H) + "]");
+  }
+  const int64_t S = maxima->dimensions()[0];
+  if (auto e = CheckShape(k, "winners", winners->dimensions(), {S, H}); e.failure()) return e;
+  if (S * H == 0) return ffi::Error::Success();
+  Team team(ThreadsFor(num_threads, std::max(M, S)));
+  DispatchFloat(table.element_type(), [&](auto zero) {
+    using T = decltype(zero);
+    MaxVisitor<T> v{static_cast<const T*>(table.untyped_data()), R, H, M, local.typed_data(),
+                    maxima->typed_data(), winners->typed_data()};
+    ForEachSegment(M, S, segments.typed_data(), valid.typed_data(), team, v);
+  });
+  return ffi::Error::Success();
+}
+
+// ---- scatter_add, bag_scatter_add ------------------------------------------------------------
+
+// out f32[R, H] = 0, then out[row(i)] += grad(i) for the slots i in order. Thread t owns rows
+// [R·t/T, R·(t+1)/T): it zeroes them and adds the slots that land there, so every row is
+// written by one thread in slot order. Rows as XLA's scatter with mode="drop": a negative row
+// counts from the end, one outside [0, R) after that is dropped.
+template <class GradOf>
+void ScatterRows(int64_t R, int64_t H, const int32_t* local, const bool* valid, int64_t M,
+                 float* out, int64_t num_threads, const GradOf& grad_of) {
+  Team team(ThreadsFor(num_threads, std::max(M, R), 65536));
+  const int threads = team.size();
+  team.Run([&](int t) {
+    const int64_t lo = PartStart(R, threads, t), hi = PartStart(R, threads, t + 1);
+    std::memset(out + lo * H, 0, (hi - lo) * H * sizeof(float));
+    for (int64_t i = 0; i < M; ++i) {
+      if (!valid[i]) continue;
+      int64_t r = local[i];
+      if (r < 0) r += R;
+      if (r < lo || r >= hi) continue;
+      grad_of(i, out + r * H);
+    }
+  });
+}
+
+ffi::Error ScatterAddImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> valid,
+                          ffi::AnyBuffer grads, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                          int64_t num_threads) {
+  constexpr const char* k = "scatter_add";
+  if (auto e = CheckThreads(k, num_threads); e.failure()) return e;
+  if (auto e = CheckSlots(k, local, valid); e.failure()) return e;
+  if (auto e = CheckMatrix(k, "grads", grads); e.failure()) return e;
+  if (out->dimensions().size() != 2) {
+    return Invalid(k, "out must be [R, H], got shape " + Dims(out->dimensions()));
+  }
+  const int64_t R = out->dimensions()[0], H = out->dimensions()[1], M = local.element_count();
+  if (auto e = CheckShape(k, "grads", grads.dimensions(), {M, H}); e.failure()) return e;
+  if (R * H == 0) return ffi::Error::Success();
+  DispatchFloat(grads.element_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T* g = static_cast<const T*>(grads.untyped_data());
+    ScatterRows(R, H, local.typed_data(), valid.typed_data(), M, out->typed_data(), num_threads,
+                [&](int64_t i, float* __restrict acc) {
+                  const T* __restrict gi = g + i * H;
+                  for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + ToF32(gi[h]);
+                });
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error BagScatterAddImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> valid,
+                             ffi::Buffer<ffi::S32> segments, ffi::Buffer<ffi::F32> scale,
+                             ffi::AnyBuffer out_grad, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                             int64_t num_threads) {
+  constexpr const char* k = "bag_scatter_add";
+  if (auto e = CheckThreads(k, num_threads); e.failure()) return e;
+  if (auto e = CheckSlots(k, local, valid, &segments, &scale); e.failure()) return e;
+  if (auto e = CheckMatrix(k, "out_grad", out_grad); e.failure()) return e;
+  if (out->dimensions().size() != 2) {
+    return Invalid(k, "out must be [R, H], got shape " + Dims(out->dimensions()));
+  }
+  const int64_t R = out->dimensions()[0], H = out->dimensions()[1], M = local.element_count();
+  const int64_t S = out_grad.dimensions()[0];
+  if (out_grad.dimensions()[1] != H) {
+    return Invalid(k, "out_grad has shape " + Dims(out_grad.dimensions()) + " but out is " +
+                          Dims(out->dimensions()) + ": both must have H columns");
+  }
+  if (R * H == 0) return ffi::Error::Success();
+  const int32_t* seg = segments.typed_data();
+  const float* sc = scale.typed_data();
+  DispatchFloat(out_grad.element_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T* og = static_cast<const T*>(out_grad.untyped_data());
+    ScatterRows(R, H, local.typed_data(), valid.typed_data(), M, out->typed_data(), num_threads,
+                [&](int64_t i, float* __restrict acc) {
+                  const int64_t s = seg[i];
+                  if (s < 0 || s >= S) return;  // a slot in no bag: no gradient
+                  const T* __restrict row = og + s * H;
+                  const float a = sc[i];
+                  for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + ToF32(row[h]) * a;
+                });
+  });
+  return ffi::Error::Success();
+}
+
+// ---- dedup_rows -------------------------------------------------------------------------------
+
+// sparse.dedup_rows exactly: key = local where valid else num_rows; unique = the sorted distinct
+// keys padded with num_rows + position; which = each slot's position in unique.
+ffi::Error DedupRowsImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> valid,
+                         ffi::Result<ffi::Buffer<ffi::S32>> unique,
+                         ffi::Result<ffi::Buffer<ffi::S32>> which, int64_t num_rows,
+                         int64_t num_threads) {
+  constexpr const char* k = "dedup_rows";
+  if (auto e = CheckThreads(k, num_threads); e.failure()) return e;
+  if (auto e = CheckSlots(k, local, valid); e.failure()) return e;
+  const int64_t M = local.element_count();
+  if (num_rows < 0 || num_rows + M > std::numeric_limits<int32_t>::max()) {
+    return Invalid(k, "num_rows=" + std::to_string(num_rows) + " plus M=" + std::to_string(M) +
+                          " must lie in [0, 2^31 - 1] (padding ids are num_rows + position)");
+  }
+  if (auto e = CheckShape(k, "unique", unique->dimensions(), {M}); e.failure()) return e;
+  if (auto e = CheckShape(k, "which", which->dimensions(), {M}); e.failure()) return e;
+  if (M == 0) return ffi::Error::Success();
+  const int32_t* loc = local.typed_data();
+  const bool* val = valid.typed_data();
+  auto key = [&](int64_t i) -> int64_t { return val[i] ? loc[i] : num_rows; };
+  int64_t lo = key(0), hi = key(0);
+  for (int64_t i = 1; i < M; ++i) {
+    lo = std::min(lo, key(i));
+    hi = std::max(hi, key(i));
+  }
+  Team team(ThreadsFor(num_threads, M));
+  SortedSlots sorted = SortSlotsByKey(
+      M, BitsFor(static_cast<uint64_t>(hi - lo) + 1), [&](int64_t i) { return key(i) - lo; },
+      team);
+  int32_t* u = unique->typed_data();
+  int32_t* w = which->typed_data();
+  int64_t position = -1;
+  for (int64_t j = 0; j < M; ++j) {
+    if (j == 0 || sorted.keys[j] != sorted.keys[j - 1]) {
+      ++position;
+      u[position] = static_cast<int32_t>(sorted.keys[j] + lo);
+    }
+    w[sorted.slots[j]] = static_cast<int32_t>(position);
+  }
+  for (int64_t p = position + 1; p < M; ++p) u[p] = static_cast<int32_t>(num_rows + p);
+  return ffi::Error::Success();
+}
+
+// ---- apply_rows, bag_apply_rows -------------------------------------------------------------
+
+struct UpdateBuffers {
+  void* table;  // f[R, H] (in place)
+  ffi::DataType table_type;
+  float* slot[2];  // state f32[R, H] or f32[R] (in place)
+  bool per_row[2];
+};
+
+// Checks the state operands against the formula; copies inputs to the outputs if XLA did not
+// alias them (it does when input_output_aliases is honored).
+ffi::Error PrepareUpdate(const char* k, Formula f, int64_t R, int64_t H, ffi::AnyBuffer table,
+                         ffi::RemainingArgs args, ffi::RemainingRets rets, UpdateBuffers* ub) {
+  const int slots = NumSlots(f);
+  if (args.size() != static_cast<size_t>(1 + slots) || rets.size() != args.size()) {
+    return Invalid(k, "the formula takes " + std::to_string(slots) + " state arrays: expected " +
+                          std::to_string(1 + slots) + " table/state operands and results, got " +
+                          std::to_string(args.size()) + " and " + std::to_string(rets.size()));
+  }
+  for (size_t a = 0; a < args.size(); ++a) {
+    auto in = args.get<ffi::AnyBuffer>(a);
+    auto out = rets.get<ffi::AnyBuffer>(a);
+    if (!in.has_value() || !out.has_value()) return Invalid(k, "cannot decode table/state");
+    if (a > 0) {
+      const bool per_row = SlotPerRow(f, static_cast<int>(a - 1));
+      std::vector<int64_t> want = per_row ? std::vector<int64_t>{R} : std::vector<int64_t>{R, H};
+      std::string name = "state " + std::to_string(a - 1);
+      if (auto e = CheckShape(k, name.c_str(), in->dimensions(), want); e.failure()) return e;
+      if (in->element_type() != ffi::DataType::F32) {
+        return Invalid(k, name + " must be float32 (compute state in float32)");
+      }
+      ub->slot[a - 1] = static_cast<float*>((*out)->untyped_data());
+      ub->per_row[a - 1] = per_row;
+    }
+    if ((*out)->element_type() != in->element_type() ||
+        (*out)->size_bytes() != in->size_bytes()) {
+      return Invalid(k, "result " + std::to_string(a) + " must match its operand");
+    }
+    if ((*out)->untyped_data() != in->untyped_data() && in->size_bytes() > 0) {
+      std::memcpy((*out)->untyped_data(), in->untyped_data(), in->size_bytes());
+    }
+  }
+  ub->table = rets.get<ffi::AnyBuffer>(0).value()->untyped_data();
+  ub->table_type = table.element_type();
+  return ffi::Error::Success();
+}
+
+// The per-row update over the grouped slots: thread t takes a run-aligned share of the sorted
+// slots, sums each row's gradients in slot order (FBGEMM's CPU backward does the same: group by
+// row, accumulate a row's gradient in a small buffer, then apply the optimizer to it), then
+// applies the formula to that row and its state in place. `grad_of(slot, &row, &factor)` gives
+// a slot's gradient as factor · row (G[H]), or false for none.
+template <Formula F, class T, class G, class GradOf>
+void UpdateRows(const SortedSlots& sorted, Team& team, const UpdateBuffers& ub, int64_t H,
+                const Hyper& hp, const GradOf& grad_of) {
+  const int threads = team.size();
+  T* table = static_cast<T*>(ub.table);
+  team.Run([&](int t) {
+    const int64_t begin = RunAlignedStart(sorted, threads, t);
+    const int64_t end = RunAlignedStart(sorted, threads, t + 1);
+    std::vector<float> g(H), w(H);
+    const int32_t* slots = sorted.slots.get();
+    for (int64_t a = begin; a < end;) {
+      const int64_t r = sorted.keys[a];
+      int64_t b = a + 1;
+      while (b < end && sorted.keys[b] == r) ++b;
+      WeightedSum<G>(g.data(), H, a, b, [&](int64_t k, const G** row, float* f) {
+        return grad_of(slots[k], row, f);
+      });
+      T* wr = table + r * H;
+      for (int64_t h = 0; h < H; ++h) w[h] = ToF32(wr[h]);
+      float* s0 = nullptr;
+      float* s1 = nullptr;
+      if (NumSlots(F) > 0) s0 = ub.slot[0] + (ub.per_row[0] ? r : r * H);
+      if (NumSlots(F) > 1) s1 = ub.slot[1] + (ub.per_row[1] ? r : r * H);
+      UpdateRow<F>(w.data(), g.data(), s0, s1, hp, H);
+      for (int64_t h = 0; h < H; ++h) FromF32(w[h], wr + h);
+      a = b;
+    }
+  });
+}
+
+template <class T, class G, class GradOf>
+void UpdateRowsFor(Formula f, const SortedSlots& sorted, Team& team, const UpdateBuffers& ub,
+                   int64_t H, const Hyper& hp, const GradOf& grad_of) {
+  switch (f) {
+    case Formula::kSgd:
+      return UpdateRows<Formula::kSgd, T, G>(sorted, team, ub, H, hp, grad_of);
+    case Formula::kAdagrad:
+      return UpdateRows<Formula::kAdagrad, T, G>(sorted, team, ub, H, hp, grad_of);
+    case Formula::kRowwiseAdagrad:
+      return UpdateRows<Formula::kRowwiseAdagrad, T, G>(sorted, team, ub, H, hp, grad_of);
+    case Formula::kAdam:
+      return UpdateRows<Formula::kAdam, T, G>(sorted, team, ub, H, hp, grad_of);
+    case Formula::kPartialRowwiseAdam:
+      return UpdateRows<Formula::kPartialRowwiseAdam, T, G>(sorted, team, ub, H, hp, grad_of);
+    case Formula::kFtrl:
+      return UpdateRows<Formula::kFtrl, T, G>(sorted, team, ub, H, hp, grad_of);
+  }
+}
+
+ffi::Error ParseUpdate(const char* k, const UpdateAttrs& at, ffi::Buffer<ffi::F32> scalars,
+                       Formula* f, Hyper* hp) {
+  if (auto e = CheckThreads(k, at.num_threads); e.failure()) return e;
+  if (!ParseFormula(at.formula, f)) {
+    return Invalid(k, "unknown formula '" + std::string(at.formula) +
+                          "': expected sgd, adagrad, rowwise_adagrad, adam, "
+                          "partial_rowwise_adam or ftrl");
+  }
+  if (auto e = CheckShape(k, "scalars", scalars.dimensions(), {3}); e.failure()) return e;
+  if (at.power_mode < 0 || at.power_mode > 2) {
+    return Invalid(k, "power_mode=" + std::to_string(at.power_mode) + " must be 0, 1 or 2");
+  }
+  const float* s = scalars.typed_data();
+  *hp = Hyper{s[0],         s[1],         s[2],
+              at.weight_decay, at.has_weight_decay != 0, at.decoupled != 0,
+              at.eps,       at.b1,        at.one_minus_b1,
+              at.b2,        at.one_minus_b2, at.hidden,
+              at.q,         at.l1,        at.two_l2,
+              at.beta,      static_cast<int>(at.power_mode)};
+  return ffi::Error::Success();
+}
+
+// The rows a valid slot touches: 0 <= local < R (others are dropped, as XLA's scatter drops the
+// out-of-range rows of sparse.apply_rows).
+template <class G, class GradOf>
+ffi::Error RunUpdate(const char* k, const UpdateAttrs& at, ffi::Buffer<ffi::F32> scalars,
+                     ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> valid,
+                     ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t grad_H,
+                     const GradOf& grad_of) {
+  Formula f;
+  Hyper hp;
+  if (auto e = ParseUpdate(k, at, scalars, &f, &hp); e.failure()) return e;
+  if (args.size() < 1) return Invalid(k, "missing the table operand");
+  auto table = args.get<ffi::AnyBuffer>(0);
+  if (!table.has_value()) return Invalid(k, "cannot decode the table");
+  if (auto e = CheckMatrix(k, "table", *table); e.failure()) return e;
+  const int64_t R = table->dimensions()[0], H = table->dimensions()[1];
+  if (grad_H != H) {
+    return Invalid(k, "the gradients have " + std::to_string(grad_H) + " columns but the table " +
+                          Dims(table->dimensions()) + " has " + std::to_string(H));
+  }
+  UpdateBuffers ub{};
+  if (auto e = PrepareUpdate(k, f, R, H, *table, args, rets, &ub); e.failure()) return e;
+  const int64_t M = local.element_count();
+  if (M == 0 || R == 0 || H == 0) return ffi::Error::Success();
+  const int32_t* loc = local.typed_data();
+  const bool* val = valid.typed_data();
+  Team team(ThreadsFor(at.num_threads, M));
+  SortedSlots sorted = SortSlotsByKey(
+      M, BitsFor(static_cast<uint64_t>(R)),
+      [&](int64_t i) -> int64_t { return val[i] && loc[i] >= 0 && loc[i] < R ? loc[i] : -1; },
+      team);
+  DispatchFloat(ub.table_type, [&](auto zero) {
+    using T = decltype(zero);
+    UpdateRowsFor<T, G>(f, sorted, team, ub, H, hp, grad_of);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error ApplyRowsImpl(ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32> local,
+                         ffi::Buffer<ffi::PRED> valid, ffi::AnyBuffer grads,
+                         ffi::RemainingArgs args, ffi::RemainingRets rets, UpdateAttrs at) {
+  constexpr const char* k = "apply_rows";
+  if (auto e = CheckSlots(k, local, valid); e.failure()) return e;
+  if (auto e = CheckMatrix(k, "grads", grads); e.failure()) return e;
+  const int64_t M = local.element_count(), H = grads.dimensions()[1];
+  if (grads.dimensions()[0] != M) {
+    return Invalid(k, "grads has shape " + Dims(grads.dimensions()) + ", expected [M=" +
+                          std::to_string(M) + ", H]");
+  }
+  ffi::Error result = ffi::Error::Success();
+  DispatchFloat(grads.element_type(), [&](auto zero) {
+    using G = decltype(zero);
+    const G* gp = static_cast<const G*>(grads.untyped_data());
+    auto grad_of = [=](int64_t i, const G** row, float* f) {
+      *row = gp + i * H;
+      *f = 1.0f;  // exact: the sum is XLA's segment_sum of the rows
+      return true;
+    };
+    result = RunUpdate<G>(k, at, scalars, local, valid, args, rets, H, grad_of);
+  });
+  return result;
+}
+
+ffi::Error BagApplyRowsImpl(ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32> local,
+                            ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::S32> segments,
+                            ffi::Buffer<ffi::F32> scale, ffi::AnyBuffer out_grad,
+                            ffi::RemainingArgs args, ffi::RemainingRets rets, UpdateAttrs at) {
+  constexpr const char* k = "bag_apply_rows";
+  if (auto e = CheckSlots(k, local, valid, &segments, &scale); e.failure()) return e;
+  if (auto e = CheckMatrix(k, "out_grad", out_grad); e.failure()) return e;
+  const int64_t S = out_grad.dimensions()[0], H = out_grad.dimensions()[1];
+  const int32_t* seg = segments.typed_data();
+  const float* sc = scale.typed_data();
+  ffi::Error result = ffi::Error::Success();
+  DispatchFloat(out_grad.element_type(), [&](auto zero) {
+    using G = decltype(zero);
+    const G* og = static_cast<const G*>(out_grad.untyped_data());
+    // Slot i's gradient, scale[i]·out_grad[segments[i]], made on the fly (no [M, H] temporary);
+    // a slot in no bag (segment outside [0, S)) touches its row with a zero gradient.
+    auto grad_of = [=](int64_t i, const G** row, float* f) {
+      const int64_t s = seg[i];
+      if (s < 0 || s >= S) return false;
+      *row = og + s * H;
+      *f = sc[i];
+      return true;
+    };
+    result = RunUpdate<G>(k, at, scalars, local, valid, args, rets, H, grad_of);
+  });
+  return result;
+}
+
+}  // namespace
+}  // namespace jaxembed
+
+// ---- the handlers (symbols looked up by build.py) ---------------------------------------------
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedGatherRows, jaxembed::GatherRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("num_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedPoolSum, jaxembed::PoolSumImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("num_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedPoolMax, jaxembed::PoolMaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("num_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedScatterAdd, jaxembed::ScatterAddImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("num_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedBagScatterAdd, jaxembed::BagScatterAddImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("num_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedDedupRows, jaxembed::DedupRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("num_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedApplyRows, jaxembed::ApplyRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attrs<jaxembed::UpdateAttrs>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedBagApplyRows, jaxembed::BagApplyRowsImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attrs<jaxembed::UpdateAttrs>());
