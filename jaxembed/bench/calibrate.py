@@ -7,10 +7,12 @@ The model (`jaxembed.plan.cost`) times a device's share of a step as
 Three microbenchmarks fit its constants, each on every device of the mesh at once (simulated
 CPU devices share the cores, and the model is per device):
 
-* **link**: `all_gather` of blocks from 8 KiB to 256 KiB per device in a `shard_map`; a least-squares
-  line through (wire bytes, seconds) gives the bandwidth (slope) and the latency (intercept);
-* **memory**: a gather of random rows and a scatter-add of them back, from 2^10 to 2^14 rows
-  of 128 floats (a 2^15-row shard per device); the line through (bytes touched, seconds) gives the random-row bandwidth.
+* **link**: `all_gather` of blocks from 8 KiB to 256 KiB per device in a `shard_map`; a
+  least-squares line through (wire bytes, seconds) gives the bandwidth (slope) and the
+  latency (intercept);
+* **memory**: a gather of random rows and a scatter-add of them back, from 2^10 to 2^14
+  rows of 128 floats (a 2^15-row shard per device); the line through (bytes touched,
+  seconds) gives the random-row bandwidth.
 
 The constants are saved with `jaxembed.plan.cost.save_constants` and every later plan on this
 machine uses them (set `JAXEMBED_COST_FILE` to choose the file; an empty value ignores it).
