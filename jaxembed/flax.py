@@ -160,8 +160,9 @@ class Embed(nn.Module):
         """
         value = self.embedding_init(key, shape, dtype)
         mesh, spec = _box_layout(value)
-        if isinstance(value, nn.LogicallyPartitioned) and names_mesh_axes(spec, mesh):
-            _RESOLVED_AT_INIT[_names(value)] = spec
+        if isinstance(value, nn.LogicallyPartitioned) and any(spec or ()):
+            if names_mesh_axes(spec, mesh):
+                _RESOLVED_AT_INIT[_names(value)] = spec
         rows = padded_rows(self.num_embeddings, spec, mesh, self.pad_to_multiple_of)
         table = pad_rows(value.value if isinstance(value, nn.Partitioned) else value, rows)
         if spec is not None and is_explicit(mesh):  # born in its layout, as NNX's eager sharding

@@ -25,10 +25,10 @@ assert len(jax.devices()) == 8, (
 )
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def fresh_warnings():
-    """jaxembed warns once per process for each assumption; each test starts afresh, so a test
-    that makes an assumption sees (and must expect) its warning whatever ran before."""
+    """jaxembed warns once per process for each assumption and call site; a test that expects
+    such a warning asks for this fixture, so that it sees it whatever ran before."""
     from jaxembed.kernels import arrays
 
     arrays._WARNED.clear()

@@ -405,7 +405,7 @@ def test_unreduced_needs_an_explicit_mesh_and_a_row_axis():
                                 out_spec=P(None, None, unreduced={"data"}))  # fmt: skip
 
 
-def test_auto_mesh_without_weight_spec_under_jit_warns():
+def test_auto_mesh_without_weight_spec_under_jit_warns(fresh_warnings):
     mesh = make_mesh((2, 4), AxisType.Auto)
     table = put(np.ones((64, 16), np.float32), mesh, P("model", None))
     ids = put(np.zeros((8, 8), np.int32), mesh, P("data"))

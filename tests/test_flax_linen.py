@@ -75,7 +75,7 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
-def test_sharded_matches_linen(layout, axis_type):
+def test_sharded_matches_linen(layout, axis_type, fresh_warnings):
     names = LAYOUTS[layout]
     mesh = make_mesh(axis_type)
     ids, query, ct_out, ct_logits = make_data(1)
@@ -106,7 +106,7 @@ def test_sharded_matches_linen(layout, axis_type):
     assert grad.sharding.is_equivalent_to(NamedSharding(mesh, P(*names)), 2)
 
 
-def test_logical_partitioning_and_padding():
+def test_logical_partitioning_and_padding(fresh_warnings):
     vocab = 61  # rows over model (4): padded to 64
     mesh = make_mesh(AxisType.Auto)
     rules = [("vocab", "model"), ("embed", None)]
@@ -119,7 +119,7 @@ def test_logical_partitioning_and_padding():
         abstract = jax.eval_shape(model.init, KEY, ids)
         shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, rules)
         params = jax.jit(model.init, out_shardings=shardings)(KEY, ids)["params"]
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules), assumes_ids_layout():
         table = np.asarray(params["embedding"].value)
         assert table.shape == (64, H)
         assert params["embedding"].value.sharding.spec == P("model", None)

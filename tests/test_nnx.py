@@ -198,7 +198,7 @@ def train(model, batches, steps=8):
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
-def test_eight_adamw_steps_match_unsharded_flax(axis_type):
+def test_eight_adamw_steps_match_unsharded_flax(axis_type, fresh_warnings):
     vocab = 61  # padded to 64 on the model axis: AdamW's decay must leave the padding at zero
     rng = np.random.default_rng(5)
     batches = [

@@ -17,6 +17,8 @@ Each assumption warns once per process and layout (`warn_once`).
 from __future__ import annotations
 
 import math
+import os
+import sys
 import warnings
 from typing import Any
 
@@ -37,7 +39,7 @@ __all__ = [
     "warn_once",
 ]
 
-_WARNED: set[tuple[str, str]] = set()
+_WARNED: set[tuple[str, str, int]] = set()
 
 
 def resolve_mesh(mesh: Any = None, *arrays: Any) -> Any:
@@ -218,12 +220,39 @@ def assumed_ids_spec(shape: tuple[int, ...], mesh: Any, table_spec: P, hint: P |
     return P(*(None if not e else e[0] if len(e) == 1 else e for e in entries))
 
 
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(m.__file__) + os.sep
+    for m in (sys.modules.get(n) for n in ("jaxembed", "jax", "flax", "optax"))
+    if m is not None and getattr(m, "__file__", None)
+)
+
+
+def _caller() -> tuple[str, int]:
+    """The innermost frame outside jaxembed, jax, flax and the standard library's wrappers:
+    the user's line that called into the lookup."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(_LIBRARY_DIRS) and "/contextlib.py" not in name and (
+            "/functools.py" not in name
+        ):
+            return name, frame.f_lineno
+        frame = frame.f_back
+    return "<unknown>", 0
+
+
 def warn_once(key: str, message: str, *, stacklevel: int = 3) -> None:
-    """Warns `message` once per process for each distinct (key, message)."""
-    if (key, message) in _WARNED:
+    """Warns `message` once per process for each kind of assumption and call site.
+
+    The warning points at the user's line (the first frame outside jaxembed, jax and flax),
+    and counts as raised by jaxembed for warning filters (`-W error::UserWarning:jaxembed`).
+    """
+    del stacklevel
+    filename, lineno = _caller()
+    if (key, filename, lineno) in _WARNED:
         return
-    _WARNED.add((key, message))
-    warnings.warn(message, stacklevel=stacklevel + 1)
+    _WARNED.add((key, filename, lineno))
+    warnings.warn_explicit(message, UserWarning, filename, lineno, module="jaxembed")
 
 
 def warn_if_layout_unknown(a: Any, mesh: Any, *, function: str, arg: str, what: str) -> None:

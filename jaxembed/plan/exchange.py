@@ -84,11 +84,15 @@ def rows_gathers(g: Geometry) -> tuple[list[Collective], int]:
     return collectives, buffers
 
 
-def choose_exchange(requested, g: Geometry, forward, transposes, backend, *, update=False):
+def choose_exchange(
+    requested, g: Geometry, forward, transposes, backend, *, update=False, extra=None
+):
     """Weighs the exchanges that apply and picks one (the requested one, or the cheapest).
 
     For a row-sparse update (`update=True`) the dense exchange is not a candidate: it would
-    all-reduce a table-shaped gradient, which the update exists to avoid.
+    all-reduce a table-shaped gradient, which the update exists to avoid. `extra` adds
+    candidates built elsewhere (the routed exchange), as `{name: (candidate, collectives,
+    buffers)}` or `{name: reason it does not apply}`.
     """
     if update and requested == "dense":
         raise ValueError(
@@ -158,6 +162,12 @@ def choose_exchange(requested, g: Geometry, forward, transposes, backend, *, upd
             rows,
             buffers,
         )
+    not_applying = {}
+    for name, option in (extra or {}).items():
+        if isinstance(option, str):
+            not_applying[name] = option
+        else:
+            options[name] = option
     names = {"none": "none"}
     if requested == "auto":
         best = min(options.values(), key=lambda o: (o[0].modelled_ms, o[0].wire_bytes))
@@ -175,12 +185,14 @@ def choose_exchange(requested, g: Geometry, forward, transposes, backend, *, upd
             reason = best[0].why
     else:
         if requested not in options and not ("none" in options and requested in ("dense", "rows")):
+            why = not_applying.get(requested, "")
             raise ValueError(
-                f"exchange={requested!r} does not apply to this layout: "
-                f"{', '.join(names.get(k, k) for k in options)} would. "
+                f"exchange={requested!r} does not apply to this layout"
+                + (f" ({why})" if why else "")
+                + f": {', '.join(names.get(k, k) for k in options)} would. "
                 + (
                     "The routed exchange needs ids and table rows split over the same mesh "
-                    "axes (e.g. both over 'model')."
+                    "axes (e.g. both over 'model'), and the batch over no other axis."
                     if requested == "routed"
                     else ""
                 )

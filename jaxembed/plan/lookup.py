@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxembed import layout
 from jaxembed.plan import cost
-from jaxembed.plan.exchange import Geometry, choose_exchange
+from jaxembed.plan.exchange import Geometry, choose_exchange, operand_has_dim
 from jaxembed.plan.moves import local_shape, plan_moves
 from jaxembed.plan.phases import (
     GRAD_ACCUM_BYTES,
@@ -59,11 +59,13 @@ from jaxembed.plan.phases import (
     table_layout,
     validate_scalars,
 )
+from jaxembed.plan.routed import plan_routed
 from jaxembed.plan.types import (
     COMBINERS,
     BagGeometry,
     Collective,
     EmbeddingPlan,
+    ExchangeCandidate,
     MemoryEstimate,
 )
 
@@ -93,6 +95,8 @@ def plan_embedding(
     row_sharding: str = "block",
     backend: str | None = None,
     update: bool = False,
+    capacity: int | None = None,
+    capacity_factor: float | None = None,
 ) -> EmbeddingPlan:
     """Plans a sharded lookup `weight[x]` and its gradient on `mesh`.
 
@@ -114,6 +118,9 @@ def plan_embedding(
       backend: the platform whose cost constants decide `"auto"` (default: the mesh's).
       update: plan a row-sparse update (`jaxembed.optim`) instead of a gradient: the
         exchange is never `"dense"` (no table-shaped buffer is ever reduced).
+      capacity: the routed exchange's C, the distinct ids one device sends one owner per
+        step; default `capacity_factor` (2) times the uniform expectation M / n.
+      capacity_factor: C over the uniform expectation, when `capacity` is None.
 
     Returns:
       An `EmbeddingPlan`.
@@ -139,6 +146,7 @@ def plan_embedding(
         padding_idx=padding_idx, vocab_size=vocab_size, dtype=dtype, ids_dtype=ids_dtype,
         exchange=_exchange_arg(exchange, gradient_exchange), row_sharding=row_sharding,
         backend=backend, bag=None, lengths_spec=None, weights_spec=None, update=update,
+        capacity=capacity, capacity_factor=capacity_factor,
     )  # fmt: skip
 
 
@@ -163,6 +171,8 @@ def plan_embedding_bag(
     row_sharding: str = "block",
     backend: str | None = None,
     update: bool = False,
+    capacity: int | None = None,
+    capacity_factor: float | None = None,
 ) -> EmbeddingPlan:
     """Plans a sharded bag lookup (`jaxembed.embedding_bag`) and its gradient on `mesh`.
 
@@ -173,7 +183,8 @@ def plan_embedding_bag(
 
     Args:
       mesh, weight_shape, weight_spec, out_spec, padding_idx, vocab_size, dtype, ids_dtype,
-        exchange, row_sharding, backend, update: as in `plan_embedding`.
+        exchange, row_sharding, backend, update, capacity, capacity_factor: as in
+        `plan_embedding`.
       x_shape: the ids: `[*batch, L]` (dense form, a bag per row) when `num_bags` is None,
         else `[*lead, N]` (flat form, `num_bags` bags per lead element read in order).
       num_bags: None for the dense form; B of the flat form (lengths are `[*lead, B]`).
@@ -214,7 +225,8 @@ def plan_embedding_bag(
         padding_idx=padding_idx, vocab_size=vocab_size, dtype=dtype, ids_dtype=ids_dtype,
         exchange=exchange, row_sharding=row_sharding, backend=backend, bag=bag,
         lengths_spec=lengths_spec if form == "flat" else None,
-        weights_spec=weights_spec if weighted else None, update=update,
+        weights_spec=weights_spec if weighted else None, update=update, capacity=capacity,
+        capacity_factor=capacity_factor,
     )  # fmt: skip
 
 
@@ -231,7 +243,7 @@ def _exchange_arg(exchange: Any, gradient_exchange: Any) -> Any:
 
 def _plan(mesh, x_shape, weight_shape, *, x_spec, weight_spec, out_spec, padding_idx,
           vocab_size, dtype, ids_dtype, exchange, row_sharding, backend, bag, lengths_spec,
-          weights_spec, update) -> EmbeddingPlan:  # fmt: skip
+          weights_spec, update, capacity, capacity_factor) -> EmbeddingPlan:  # fmt: skip
     names = layout.axis_names_of(mesh)
     sizes = dict(zip(names, mesh_sizes(mesh), strict=True))
     return _plan_cached(
@@ -253,6 +265,8 @@ def _plan(mesh, x_shape, weight_shape, *, x_spec, weight_spec, out_spec, padding
         as_spec(lengths_spec),
         as_spec(weights_spec),
         bool(update),
+        capacity,
+        capacity_factor,
     )
 
 
@@ -260,7 +274,7 @@ def _plan(mesh, x_shape, weight_shape, *, x_spec, weight_spec, out_spec, padding
 def _plan_cached(
     mesh_axes, explicit, x_shape, weight_shape, x_spec, weight_spec, out_spec, padding_idx,
     vocab_size, dtype, ids_dtype, exchange, row_sharding, backend, bag, lengths_spec,
-    weights_spec, update,
+    weights_spec, update, capacity, capacity_factor,
 ) -> EmbeddingPlan:  # fmt: skip
     names = tuple(n for n, _ in mesh_axes)
     sizes = dict(mesh_axes)
@@ -403,10 +417,34 @@ def _plan_cached(
         row_axes=row_axes, hidden_local=out_kept_local[-1], is_bag=bag is not None,
         is_max=is_max, gathers=gathers,
     )  # fmt: skip
+    routed, routed_option, routed_operands = _routed_option(
+        scatters=scatters, batch_axes=batch_axes, row_axes=row_axes, operands=operands,
+        ids_entries=ids_entries, sizes=sizes, dtype=dtype, out_kept_local=out_kept_local,
+        names=names, bag=bag, capacity=capacity, capacity_factor=capacity_factor,
+        out_moves_collectives=[c for c in forward if c.operand == "out" and
+                               c.op == "all_gather"], grad_collectives=grad_collectives,
+        backend=backend, unreduced=unreduced,
+    )  # fmt: skip
     exchange, reason, candidates, exchange_collectives, exchange_buffers = choose_exchange(
-        exchange, geometry, forward, backward_transposes, backend, update=update
-    )
+        exchange, geometry, forward, backward_transposes, backend, update=update,
+        extra={"routed": routed_option},
+    )  # fmt: skip
     backward = backward_transposes + exchange_collectives
+    if exchange == "routed":
+        operands = routed_operands
+        ids_entries = list(spec_entries(operands[0].spec))
+        ids_local = local_shape(x_shape, ids_entries, sizes)
+        forward = [
+            *(c for op in operands for c in move_collectives(
+                "forward", op.name, local_shape(op.shape, spec_entries(op.given), sizes),
+                op.moves, sizes, op.dtype, f"{op.name} {op.given} -> {op.spec}",
+            )),
+            *routed.forward,
+            *(c for c in forward if c.operand == "out" and c.op == "all_gather"),
+        ]  # fmt: skip
+        backward = [*grad_collectives, *routed.backward]
+    else:
+        routed = None
 
     grad_shard_shape = (num_rows // prod(row_axes, sizes), out_kept_local[-1])
     grad_shard = math.prod(grad_shard_shape) * GRAD_ACCUM_BYTES
@@ -453,4 +491,50 @@ def _plan_cached(
         row_sharding=row_sharding,
         backend=backend,
         for_update=update,
+        routed=routed,
     )
+
+
+def _routed_option(*, scatters, batch_axes, row_axes, operands, ids_entries, sizes, dtype,
+                   out_kept_local, names, bag, capacity, capacity_factor,
+                   out_moves_collectives, grad_collectives, backend, unreduced):  # fmt: skip
+    """The routed exchange as a candidate: `(RoutedPlan, (candidate, [], buffers), operands)`,
+    or `(None, reason, None)` where it does not apply."""
+    if unreduced:
+        return None, "the output is kept unreduced", None
+    op_dims = [operand_has_dim(len(op.shape), scatters[0][0], bag is not None)
+               if scatters else False for op in operands]  # fmt: skip
+    routed, reason, entries = plan_routed(
+        scatters=scatters, batch_axes=batch_axes, row_axes=row_axes,
+        operands=[(op.name, op.shape, op.dtype, spec_entries(op.given)) for op in operands],
+        ids_entries=ids_entries, op_dims=op_dims, sizes=sizes, dtype=dtype,
+        hidden_local=out_kept_local[-1], out_kept_local=out_kept_local, mesh_names=names,
+        capacity=capacity, capacity_factor=capacity_factor,
+    )  # fmt: skip
+    if routed is None:
+        return None, reason, None
+    routed_operands = [
+        make_operand(op.name, op.shape, op.dtype, spec_entries(op.given), e)
+        for op, e in zip(operands, entries, strict=True)
+    ]
+    moves = [
+        c for op in routed_operands for c in move_collectives(
+            "forward", op.name, local_shape(op.shape, spec_entries(op.given), sizes),
+            op.moves, sizes, op.dtype, "",
+        )
+    ]  # fmt: skip
+    collectives = [*moves, *routed.forward, *out_moves_collectives, *grad_collectives,
+                   *routed.backward]  # fmt: skip
+    wire = sum(c.wire_bytes for c in collectives)
+    looked_up = routed.rows_looked_up
+    seconds = cost.modelled_seconds(
+        cost.load_constants(backend), wire_bytes=wire,
+        rows=2 * looked_up + routed.slots, row_bytes=out_kept_local[-1] * itemsize(dtype),
+        collectives=len(collectives),
+    )  # fmt: skip
+    candidate = ExchangeCandidate(
+        "routed", wire, looked_up + routed.slots, looked_up, seconds * 1e3,
+        f"send each distinct id to its owner over {routed.axes}, capacity {routed.capacity}",
+    )  # fmt: skip
+    buffers = routed.num_buckets * routed.capacity * (4 + out_kept_local[-1] * 4)
+    return routed, (candidate, [], buffers), routed_operands

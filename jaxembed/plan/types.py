@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from jax.sharding import PartitionSpec as P
 
@@ -189,6 +190,8 @@ class EmbeddingPlan:
       row_sharding: `"block"` (contiguous row blocks) or `"mod"` (id i on shard i mod n).
       backend: the platform the cost model was evaluated for.
       for_update: planned for a row-sparse update (`jaxembed.optim`): no dense exchange.
+      routed: the routed exchange's `jaxembed.plan.routed.RoutedPlan` when `exchange` is
+        `"routed"` (its capacity, buckets and the exact fallback's collectives), else None.
 
     Properties give derived values: `rows_per_shard`, `table_shard_shape`,
     `gradient_exchange`, `forward_wire_bytes`, `backward_wire_bytes`.
@@ -253,6 +256,7 @@ class EmbeddingPlan:
     row_sharding: str = "block"
     backend: str = "cpu"
     for_update: bool = False
+    routed: Any = None
 
     @property
     def gradient_exchange(self) -> str:

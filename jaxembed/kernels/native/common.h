@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <immintrin.h>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -125,72 +126,64 @@ inline void FromF32(float x, bf16_t* out) {
 
 // ---- weighted sums of rows, 64 columns at a time in registers ----------------------------------
 
-typedef float f32x16 __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u32x16 __attribute__((vector_size(64), aligned(4)));
-
-inline f32x16 Load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
+#if defined(__AVX512F__)
+inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 Load16(const bf16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-inline f32x16 Load16(const bf16_t* p) {
-  u16x16 h;
-  std::memcpy(&h, p, sizeof(h));
-  u32x16 u = __builtin_convertvector(h, u32x16) << 16;
-  f32x16 v;
-  std::memcpy(&v, &u, sizeof(v));
-  return v;
-}
-inline void Store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+#endif
 
 // dst[0:H] = Σ_k s_k · row_k[0:H] over k in [a, b), in order of k, from 0; `get(k, &row, &s)`
 // gives item k's row (T[H]) and factor, or returns false to skip it. Each sum is
 // ((0 + r0·s0) + r1·s1) + ..., multiplies and adds rounded apart, as XLA's `rows * scale`
 // then segment_sum. The accumulators of 64 columns stay in registers for the whole run (the
-// output is stored once): the random row reads of consecutive items then overlap in the
-// out-of-order core, which measured faster here than software prefetching.
+// output is stored once), so the random row reads of consecutive items overlap in the
+// out-of-order core: this measured faster here than software prefetching (FBGEMM's idea of
+// prefetching the rows a few ids ahead made these loops slower on this machine).
 template <class T, class Get>
 inline void WeightedSum(float* __restrict dst, int64_t H, int64_t a, int64_t b, const Get& get) {
   int64_t c = 0;
+#if defined(__AVX512F__)
   for (; c + 64 <= H; c += 64) {
-    f32x16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t k = a; k < b; ++k) {
       const T* row;
       float s;
       if (!get(k, &row, &s)) continue;
       row += c;
-      const f32x16 sv = f32x16{} + s;
-      a0 = a0 + Load16(row) * sv;
-      a1 = a1 + Load16(row + 16) * sv;
-      a2 = a2 + Load16(row + 32) * sv;
-      a3 = a3 + Load16(row + 48) * sv;
+      const __m512 sv = _mm512_set1_ps(s);
+      a0 = _mm512_add_ps(a0, _mm512_mul_ps(Load16(row), sv));
+      a1 = _mm512_add_ps(a1, _mm512_mul_ps(Load16(row + 16), sv));
+      a2 = _mm512_add_ps(a2, _mm512_mul_ps(Load16(row + 32), sv));
+      a3 = _mm512_add_ps(a3, _mm512_mul_ps(Load16(row + 48), sv));
     }
-    Store16(dst + c, a0);
-    Store16(dst + c + 16, a1);
-    Store16(dst + c + 32, a2);
-    Store16(dst + c + 48, a3);
+    _mm512_storeu_ps(dst + c, a0);
+    _mm512_storeu_ps(dst + c + 16, a1);
+    _mm512_storeu_ps(dst + c + 32, a2);
+    _mm512_storeu_ps(dst + c + 48, a3);
   }
   for (; c + 16 <= H; c += 16) {
-    f32x16 a0 = {};
+    __m512 a0 = _mm512_setzero_ps();
     for (int64_t k = a; k < b; ++k) {
       const T* row;
       float s;
       if (!get(k, &row, &s)) continue;
-      a0 = a0 + Load16(row + c) * (f32x16{} + s);
+      a0 = _mm512_add_ps(a0, _mm512_mul_ps(Load16(row + c), _mm512_set1_ps(s)));
     }
-    Store16(dst + c, a0);
+    _mm512_storeu_ps(dst + c, a0);
   }
-  if (c < H) {
-    float tail[16] = {};
-    const int64_t n = H - c;
+#endif
+  for (; c < H; c += 64) {  // without AVX-512, or the last columns: a local block
+    float acc[64] = {};
+    const int64_t n = std::min<int64_t>(64, H - c);
     for (int64_t k = a; k < b; ++k) {
       const T* row;
       float s;
       if (!get(k, &row, &s)) continue;
-      for (int64_t h = 0; h < n; ++h) tail[h] = tail[h] + ToF32(row[c + h]) * s;
+      for (int64_t h = 0; h < n; ++h) acc[h] = acc[h] + ToF32(row[c + h]) * s;
     }
-    std::memcpy(dst + c, tail, n * sizeof(float));
+    std::memcpy(dst + c, acc, n * sizeof(float));
   }
 }
 
@@ -226,7 +219,10 @@ struct SortedSlots {
   int64_t n = 0;
 };
 
-constexpr int kMaxDigitBits = 11;
+#ifndef JAXEMBED_DIGIT_BITS
+#define JAXEMBED_DIGIT_BITS 11
+#endif
+constexpr int kMaxDigitBits = JAXEMBED_DIGIT_BITS;
 
 // Sorts the candidates i in [0, m) whose `key_of(i)` is >= 0 (keys < 2^bits) by key, stably.
 //

@@ -603,6 +603,11 @@ ffi::Error PrepareUpdate(const char* k, Formula f, int64_t R, int64_t H, ffi::An
   return ffi::Error::Success();
 }
 
+#ifndef JAXEMBED_ROWS_AHEAD
+#define JAXEMBED_ROWS_AHEAD 8
+#endif
+constexpr int kRowsAhead = JAXEMBED_ROWS_AHEAD;
+
 // The per-row update over the grouped slots: thread t takes a run-aligned share of the sorted
 // slots, sums each row's gradients in slot order (FBGEMM's CPU backward does the same: group by
 // row, accumulate a row's gradient in a small buffer, then apply the optimizer to it), then
@@ -618,10 +623,30 @@ void UpdateRows(const SortedSlots& sorted, Team& team, const UpdateBuffers& ub, 
     const int64_t end = RunAlignedStart(sorted, threads, t + 1);
     std::vector<float> g(H), w(H);
     const int32_t* slots = sorted.slots.get();
+    const uint32_t* keys = sorted.keys.get();
+    // The rows touched are sparse and ascending, which the hardware prefetcher does not follow:
+    // a cursor kRowsAhead distinct rows ahead prefetches each row and its state.
+    int64_t ahead = begin;
+    auto prefetch_next = [&]() {
+      if (ahead >= end) return;
+      const int64_t r = keys[ahead];
+      PrefetchRowForWrite(table + r * H, H * sizeof(T));
+      for (int s = 0; s < NumSlots(F); ++s) {
+        if (ub.per_row[s]) {
+          __builtin_prefetch(ub.slot[s] + r, 1, 3);
+        } else {
+          PrefetchRowForWrite(ub.slot[s] + r * H, H * sizeof(float));
+        }
+      }
+      do ++ahead;
+      while (ahead < end && keys[ahead] == static_cast<uint32_t>(r));
+    };
+    for (int i = 0; i < kRowsAhead; ++i) prefetch_next();
     for (int64_t a = begin; a < end;) {
-      const int64_t r = sorted.keys[a];
+      const int64_t r = keys[a];
       int64_t b = a + 1;
-      while (b < end && sorted.keys[b] == r) ++b;
+      while (b < end && keys[b] == r) ++b;
+      prefetch_next();
       WeightedSum<G>(g.data(), H, a, b, [&](int64_t k, const G** row, float* f) {
         return grad_of(slots[k], row, f);
       });

@@ -1,0 +1,202 @@
+"""The routed exchange: each id goes only to the shard that owns its row.
+
+It applies where the ids and the table's rows are split over the same mesh axes S (the
+`psum_scatter` axes of the gather plan: `(8,)` fully sharded, rows over `(data, model)` with
+ids on `data`, table-rows placements) and the batch is split over no other axis. Instead of
+gathering every id over S, looking all of them up and reduce-scattering the output, each
+device, per step:
+
+    buckets its ids by the owner's position on S, removes duplicates in each bucket
+    all_to_all over S: ids         i32[n_S · C]        (C: the static capacity per pair)
+    [psum over R − S of the rows, when the table's rows are split over more axes]
+    all_to_all over S: rows back   f[n_S · C, H/K]
+    backward: all_to_all ids again, and each unique id's summed gradient f32[n_S · C, H/K]
+
+No id is ever dropped: when any bucket of any device holds more than C distinct ids, every
+device learns it from one all-reduce of a flag and that step runs the gather exchange instead
+(`fallback_forward` / `fallback_backward`), exactly. The compiled program holds both branches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jaxembed.plan import cost
+from jaxembed.plan.moves import local_shape, plan_moves
+from jaxembed.plan.phases import collective, itemsize, move_collectives, prod
+from jaxembed.plan.types import Collective
+
+__all__ = ["RoutedPlan", "capacity_for", "plan_routed"]
+
+DEFAULT_CAPACITY_FACTOR = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutedPlan:
+    """How the routed exchange runs, per device.
+
+    Attributes:
+      axes: S, the mesh axes it routes over (the ids' and the rows' common axes).
+      dim: the ids axis (and output batch axis) split over S.
+      rest_axes: the table's other row axes; the owners sum their rows over them.
+      num_buckets: n_S, the devices along S.
+      slots: M, the id slots one device routes.
+      capacity: C, the distinct ids one device may send to one owner in a step.
+      capacity_factor: C over the uniform expectation M / n_S (when C was not set).
+      ids_spec: the layout the ids run in (split over S as well).
+      forward, backward: the routed path's collectives.
+      fallback_forward, fallback_backward: the exact fallback's (the gather exchange), run
+        only in a step where some bucket overflowed.
+    """
+
+    axes: tuple[str, ...]
+    dim: int
+    rest_axes: tuple[str, ...]
+    num_buckets: int
+    slots: int
+    capacity: int
+    capacity_factor: float
+    forward: tuple[Collective, ...]
+    backward: tuple[Collective, ...]
+    fallback_forward: tuple[Collective, ...]
+    fallback_backward: tuple[Collective, ...]
+
+    @property
+    def rows_looked_up(self) -> int:
+        """Rows an owner gathers per step: n_S · C (every slot of every bucket)."""
+        return self.num_buckets * self.capacity
+
+
+def capacity_for(slots: int, buckets: int, capacity: int | None, factor: float | None) -> int:
+    """C: `capacity` if given, else `factor` (2 by default) times M / n_S, in `[1, M]`."""
+    if capacity is not None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        return min(capacity, max(slots, 1))
+    factor = DEFAULT_CAPACITY_FACTOR if factor is None else factor
+    if not factor > 0:
+        raise ValueError(f"capacity_factor must be > 0, got {factor!r}")
+    return max(1, min(slots, math.ceil(factor * slots / buckets)))
+
+
+def plan_routed(
+    *,
+    scatters,
+    batch_axes,
+    row_axes,
+    operands,
+    ids_entries,
+    op_dims,
+    sizes,
+    dtype,
+    hidden_local: int,
+    out_kept_local,
+    mesh_names,
+    capacity: int | None,
+    capacity_factor: float | None,
+) -> tuple[RoutedPlan | None, str, list]:
+    """The routed variant of a plan, or None with the reason it does not apply.
+
+    Args:
+      scatters: the gather plan's `((dim, axes),)`: routed needs exactly one.
+      batch_axes: B; routed needs none (the batch split only over row axes).
+      row_axes: R.
+      operands: the batch operands `(name, shape, dtype, given entries)`.
+      ids_entries: the gather plan's ids layout.
+      op_dims: per operand, whether it has the scatter dim.
+      sizes: mesh axis sizes.
+      dtype: the table's dtype.
+      hidden_local: H/K.
+      out_kept_local: the gather plan's per-device output block before its scatter.
+      mesh_names: every mesh axis, for the overflow flag's all-reduce.
+      capacity, capacity_factor: C, or its factor over the uniform expectation.
+
+    Returns:
+      `(routed plan or None, reason, routed ids entries per operand)`.
+    """
+    if batch_axes:
+        return None, "the batch is also split over axes that hold no rows", []
+    if len(scatters) != 1:
+        return None, "ids and rows share no mesh axis", []
+    dim, axes = scatters[0]
+    if not op_dims[0]:
+        return None, "the shared axis splits bags, not ids", []
+    n = prod(axes, sizes)
+    rest = tuple(a for a in row_axes if a not in axes)
+    routed_entries = []
+    for (_, shape, _, _), has in zip(operands, op_dims, strict=True):
+        entries = [tuple(e) for e in ids_entries[: len(shape)]]
+        entries += [()] * (len(shape) - len(entries))
+        if has:
+            entries[dim] = entries[dim] + tuple(axes)
+        routed_entries.append(tuple(entries))
+    ids_shape = operands[0][1]
+    slots = math.prod(local_shape(ids_shape, routed_entries[0], sizes))
+    c = capacity_for(slots, n, capacity, capacity_factor)
+    e = itemsize(dtype)
+    flag_wire = cost.ring_wire_bytes("all-reduce", prod(mesh_names, sizes), 4)
+
+    def a2a(phase, operand, shape, dt, why):
+        wire = cost.ring_wire_bytes("all-to-all", n, math.prod(shape) * itemsize(dt))
+        return collective(phase, "all_to_all", axes, operand, shape, dt, wire, why)
+
+    def flag(phase):
+        why = "did any bucket overflow its capacity? (then the exact fallback runs)"
+        return collective(phase, "psum", mesh_names, "overflow", (), "int32", flag_wire, why)
+
+    forward = [
+        flag("forward"),
+        a2a("forward", "ids", (n * c,), "int32", "send each distinct id to its owner"),
+    ]
+    if rest:
+        wire = cost.ring_wire_bytes("all-reduce", prod(rest, sizes), n * c * hidden_local * e)
+        forward.append(
+            collective(
+                "forward", "psum", rest, "rows", (n * c, hidden_local), dtype, wire,
+                "sum the owners' rows over the table's other row axes",
+            )
+        )  # fmt: skip
+    forward.append(a2a("forward", "rows", (n * c, hidden_local), dtype, "rows back to the ids"))
+    backward = [
+        flag("backward"),
+        a2a("backward", "ids", (n * c,), "int32", "send each distinct id to its owner"),
+        a2a(
+            "backward", "grads", (n * c, hidden_local), "float32",
+            "each distinct id's summed gradient to its owner",
+        ),
+    ]  # fmt: skip
+
+    # The exact fallback: the gather exchange, from the routed ids layout.
+    fb_forward, fb_backward = [], []
+    for (name, shape, dt, _), entries, has in zip(operands, routed_entries, op_dims, strict=True):
+        if not has:
+            continue
+        gathered = list(entries)
+        gathered[dim] = tuple(a for a in entries[dim] if a not in axes)
+        moves = plan_moves(entries, gathered)
+        start = local_shape(shape, entries, sizes)
+        why = "fallback: the gather exchange"
+        fb_forward += move_collectives("forward", name, start, moves, sizes, dt, why)
+        fb_backward += move_collectives("backward", name, start, moves, sizes, dt, why)
+    block = list(out_kept_local)
+    before = tuple(block)
+    block[dim] //= n
+    wire = cost.ring_wire_bytes("reduce-scatter", n, math.prod(block) * e)
+    why = "fallback: sum the row shards"
+    fb_forward.append(collective("forward", "psum_scatter", axes, "out", block, dtype, wire, why))
+    if rest:
+        wire = cost.ring_wire_bytes("all-reduce", prod(rest, sizes), math.prod(block) * e)
+        fb_forward.append(collective("forward", "psum", rest, "out", block, dtype, wire, why))
+    wire = cost.ring_wire_bytes("all-gather", n, math.prod(before) * e)
+    fb_backward.insert(
+        0, collective("backward", "all_gather", axes, "out_grad", before, dtype, wire,
+                      "fallback: the transpose of the psum_scatter")
+    )  # fmt: skip
+    factor = c * n / slots if slots else 1.0
+    plan = RoutedPlan(
+        axes=tuple(axes), dim=dim, rest_axes=rest, num_buckets=n, slots=slots, capacity=c,
+        capacity_factor=factor, forward=tuple(forward), backward=tuple(backward),
+        fallback_forward=tuple(fb_forward), fallback_backward=tuple(fb_backward),
+    )  # fmt: skip
+    return plan, "", routed_entries

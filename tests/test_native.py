@@ -1,0 +1,455 @@
+"""The native CPU kernels (`jaxembed.kernels.native`) against their XLA twins and float64 numpy.
+
+Every kernel runs on random slots with duplicate rows, invalid slots (whose rows are often out
+of range), segments -1 and >= S, empty bags, M = 0 and bfloat16 tables; eagerly, under jit and
+inside a `shard_map` over 8 devices. Results equal the XLA twin's (bitwise where the order of
+additions is the same, else within float32 rounding); the updates leave untouched rows and
+state bitwise unchanged and work in place.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxembed.kernels import local as local_ops
+from jaxembed.kernels import native, sparse
+from jaxembed.optim import formulas, reference
+
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason=f"native kernels unavailable: {native.why_unavailable()}"
+)
+
+R, H, S = 40, 8, 12
+SCHEDULE = optax.exponential_decay(0.1, transition_steps=3, decay_rate=0.5)
+FORMULAS = {
+    "sgd": formulas.sgd(0.1),
+    "sgd_wd": formulas.sgd(0.1, weight_decay=0.05),
+    "adagrad": formulas.adagrad(0.1),
+    "adagrad_init_eps": formulas.adagrad(0.1, initial_accumulator_value=0.1, eps=1e-3),
+    "rowwise_adagrad": formulas.rowwise_adagrad(0.1),
+    "rowwise_adagrad_l2": formulas.rowwise_adagrad(0.1, weight_decay=0.05, eps=1e-4),
+    "rowwise_adagrad_decoupled": formulas.rowwise_adagrad(
+        0.1, weight_decay=0.05, weight_decay_mode="decoupled"
+    ),
+    "rowwise_adagrad_schedule": formulas.rowwise_adagrad(SCHEDULE, initial_accumulator_value=0.5),
+    "adam": formulas.adam(0.01),
+    "adam_wd_b1_0": formulas.adam(0.01, b1=0.0, b2=0.5, eps=1e-3, weight_decay=0.05),
+    "adam_schedule": formulas.adam(SCHEDULE),
+    "partial_rowwise_adam": formulas.partial_rowwise_adam(0.01),
+    "partial_rowwise_adam_wd": formulas.partial_rowwise_adam(
+        0.01, b1=0.5, b2=0.9, weight_decay=0.05
+    ),
+    "ftrl": formulas.ftrl(0.1),
+    "ftrl_l1_l2_beta": formulas.ftrl(0.1, l1=0.5, l2=0.1, beta=0.5),
+    "ftrl_power": formulas.ftrl(
+        0.1, learning_rate_power=-0.3, l1=0.01, initial_accumulator_value=0
+    ),
+    "ftrl_fixed_rate": formulas.ftrl(0.1, learning_rate_power=0.0, l2=1.0),
+    "ftrl_schedule": formulas.ftrl(SCHEDULE, l1=0.01),
+}
+
+
+def make_slots(seed, m, *, rows=R, segments=S, sorted_segments=False, dtype=jnp.float32):
+    """A table and M slots: duplicate rows, ~25% invalid slots (their rows often out of range,
+    negative or >= rows), segments -1 / >= S on some slots, and some bags left empty."""
+    rng = np.random.default_rng(seed)
+    table = rng.normal(size=(rows, H)).astype(np.float32)
+    local = rng.integers(0, max(rows // 3, 1), m).astype(np.int32)  # many duplicates
+    valid = rng.random(m) < 0.75
+    junk = rng.choice([-5, -1, rows, rows + 7], m).astype(np.int32)
+    local = np.where(valid | (rng.random(m) < 0.5), local, junk)
+    if sorted_segments:
+        seg = np.sort(rng.integers(0, segments - 2, m)).astype(np.int32)  # bags S-2, S-1 empty
+    else:
+        seg = rng.integers(-1, segments + 2, m).astype(np.int32)
+    scale = rng.uniform(-2, 2, m).astype(np.float32)
+    return jnp.asarray(table, dtype), local, valid, seg, scale
+
+
+def np_pool_sum(table, local, valid, seg, scale, s):
+    out = np.zeros((s, table.shape[1]))
+    for i in range(len(local)):
+        if valid[i] and 0 <= seg[i] < s:
+            out[seg[i]] += (
+                scale[i] * np.asarray(table, np.float64)[np.clip(local[i], 0, len(table) - 1)]
+            )
+    return out
+
+
+def bitwise(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+# --- gather, pool, scatter ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gather_rows_matches_xla(dtype):
+    table, local, valid, _, _ = make_slots(0, 60, dtype=dtype)
+    local, valid = local.reshape(5, 12), valid.reshape(5, 12)  # any leading shape
+    got = native.gather_rows(table, local, valid)
+    assert got.shape == (5, 12, H) and got.dtype == dtype
+    assert bitwise(got, local_ops.gather_rows(table, local, valid))
+    want = np.where(valid[..., None], np.asarray(table)[np.clip(local, 0, R - 1)], 0)
+    assert bitwise(got, want.astype(dtype))
+    assert bitwise(jax.jit(native.gather_rows)(table, local, valid), got)
+
+
+@pytest.mark.parametrize("sorted_segments", [True, False], ids=["runs", "scattered"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pool_sum_matches_xla_and_float64(dtype, sorted_segments):
+    table, local, valid, seg, scale = make_slots(
+        1, 300, dtype=dtype, sorted_segments=sorted_segments
+    )
+    got = jax.jit(native.pool_sum, static_argnums=5)(table, local, valid, seg, scale, S)
+    assert got.dtype == jnp.float32 and got.shape == (S, H)
+    want = np_pool_sum(np.asarray(table.astype(jnp.float32)), local, valid, seg, scale, S)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    xla = local_ops.pool_sum(table, local, valid, seg, scale, S)
+    np.testing.assert_allclose(got, xla, rtol=1e-5, atol=1e-6)
+    if sorted_segments:
+        assert np.all(np.asarray(got[-2:]) == 0)  # empty bags
+
+
+@pytest.mark.parametrize("sorted_segments", [True, False], ids=["runs", "scattered"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pool_max_matches_xla(dtype, sorted_segments):
+    # duplicates give ties (the earliest slot wins); bags S-2, S-1 of the sorted case are empty
+    table, local, valid, seg, _ = make_slots(2, 200, dtype=dtype, sorted_segments=sorted_segments)
+    maxima, winners = native.pool_max(table, local, valid, seg, S)
+    want_max, want_win = local_ops.pool_max(table, local, valid, seg, S)
+    assert bitwise(maxima, want_max) and bitwise(winners, want_win)
+    assert np.isneginf(np.asarray(maxima)).any() or not sorted_segments
+    live = valid & (seg >= 0) & (seg < S)
+    rows = np.asarray(table.astype(jnp.float32))[np.clip(local, 0, R - 1)]
+    for s in range(S):  # float64 check of the maxima
+        here = rows[live & (seg == s)]
+        expect = here.max(0) if len(here) else np.full(H, -np.inf)
+        np.testing.assert_array_equal(np.asarray(maxima[s]), expect)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_scatter_add_matches_xla(dtype):
+    _, local, valid, _, _ = make_slots(3, 120)
+    # valid slots with a negative row count from the end, as XLA's scatter; >= R are dropped
+    local = np.where(np.arange(120) % 17 == 0, -2, local).astype(np.int32)
+    local = np.where(np.arange(120) % 19 == 0, R + 3, local).astype(np.int32)
+    grads = jnp.asarray(np.random.default_rng(3).normal(size=(120, H)), dtype)
+    got = jax.jit(native.scatter_add, static_argnums=0)((R, H), local, valid, grads)
+    xla = local_ops.scatter_add((R, H), local, valid, grads)
+    assert bitwise(got, xla)  # same adds in the same (slot) order
+    want = np.zeros((R, H))
+    for i in np.flatnonzero(valid):
+        r = local[i] + R if local[i] < 0 else local[i]
+        if 0 <= r < R:
+            want[r] += np.asarray(grads[i], np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_bag_scatter_add_matches_xla(dtype):
+    _, local, valid, seg, scale = make_slots(4, 150)
+    out_grad = jnp.asarray(np.random.default_rng(4).normal(size=(S, H)), dtype)
+    got = native.bag_scatter_add((R, H), local, valid, seg, scale, out_grad)
+    assert bitwise(got, native.xla_bag_scatter_add((R, H), local, valid, seg, scale, out_grad))
+    og = np.asarray(out_grad.astype(jnp.float32), np.float64)
+    want = np.zeros((R, H))
+    for i in np.flatnonzero(valid & (seg >= 0) & (seg < S)):
+        if 0 <= local[i] < R:
+            want[local[i]] += scale[i] * og[seg[i]]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_dedup_rows_bitwise_xla():
+    _, local, valid, _, _ = make_slots(5, 500, rows=3000)
+    got = jax.jit(native.dedup_rows, static_argnums=2)(local, valid, 3000)
+    want = sparse.dedup_rows(jnp.asarray(local), jnp.asarray(valid), 3000)
+    assert bitwise(got[0], want[0]) and bitwise(got[1], want[1])
+
+
+def test_empty_slots():
+    table = jnp.ones((R, H))
+    empty_i, empty_b, empty_f = (np.zeros(0, d) for d in (np.int32, bool, np.float32))
+    assert native.gather_rows(table, empty_i, empty_b).shape == (0, H)
+    assert bitwise(
+        native.pool_sum(table, empty_i, empty_b, empty_i, empty_f, S), np.zeros((S, H), np.float32)
+    )
+    maxima, winners = native.pool_max(table, empty_i, empty_b, empty_i, S)
+    assert np.all(np.isneginf(maxima)) and np.all(np.asarray(winners) == 0)  # M = 0
+    assert bitwise(
+        native.scatter_add((R, H), empty_i, empty_b, np.zeros((0, H), np.float32)),
+        np.zeros((R, H), np.float32),
+    )
+    assert native.dedup_rows(empty_i, empty_b, R)[0].shape == (0,)
+    f = FORMULAS["adam"]
+    state = f.init_state(R, H)
+    new, new_state = native.apply_rows(
+        f, table, state, 0, empty_i, empty_b, jnp.zeros((0, H)), hidden_size=H
+    )
+    assert bitwise(new, table) and all(bitwise(a, b) for a, b in zip(new_state, state, strict=True))
+    assert native.pool_sum(table, empty_i, empty_b, empty_i, empty_f, 0).shape == (0, H)
+
+
+def test_results_do_not_depend_on_thread_count(monkeypatch):
+    """Big enough for 2 threads (>= 16k slots each): bitwise the 1-thread results."""
+    table, local, valid, seg, scale = make_slots(6, 40_000, rows=5000, segments=3000)
+    sorted_seg = np.sort(seg)
+    og = jnp.asarray(np.random.default_rng(6).normal(size=(3000, H)), jnp.float32)
+    f = FORMULAS["rowwise_adagrad"]
+    runs = []
+    for threads in ("1", "2"):
+        monkeypatch.setenv("JAXEMBED_NUM_THREADS", threads)
+        assert native.num_threads() == int(threads)
+        runs.append((
+            native.pool_sum(table, local, valid, seg, scale, 3000),
+            native.pool_sum(table, local, valid, sorted_seg, scale, 3000),
+            native.bag_scatter_add((5000, H), local, valid, seg, scale, og),
+            native.dedup_rows(local, valid, 5000)[1],
+            native.bag_apply_rows(f, table, f.init_state(5000, H), 0, local, valid, seg, scale, og, hidden_size=H)[0],
+        ))  # fmt: skip
+    for one, two in zip(*runs, strict=True):
+        assert bitwise(one, two)
+
+
+# --- the row-sparse updates -------------------------------------------------------------------
+
+
+def random_state(formula, rng, rows):
+    out = []
+    for slot in formula.slots:
+        shape = slot.shape(rows, H)
+        lo, hi = (
+            (0.05, 2.0)
+            if slot.name == "accumulator"
+            else (0.0, 0.5)
+            if slot.name == "nu"
+            else (-0.2, 0.2)
+        )
+        out.append(jnp.asarray(rng.uniform(lo, hi, shape), jnp.float32))
+    return tuple(out)
+
+
+def assert_update_equal(got, want, before, touched):
+    """Within float32 rounding of the XLA update; bitwise unchanged where not touched."""
+    (new_w, new_s), (want_w, want_s) = got, want
+    untouched = ~touched
+    for g, w, b in ((new_w, want_w, before[0]), *zip(new_s, want_s, before[1], strict=True)):
+        assert g.dtype == w.dtype == b.dtype and g.shape == w.shape
+        g, w, b = (np.asarray(x.astype(jnp.float32)) for x in (g, w, b))
+        atol = 1e-6 if new_w.dtype == jnp.float32 else 1e-2
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=atol)
+        assert g[untouched].tobytes() == b[untouched].tobytes()
+
+
+@pytest.mark.parametrize("name", FORMULAS)
+def test_apply_rows_matches_xla_every_formula(name):
+    formula = FORMULAS[name]
+    rng = np.random.default_rng(7)
+    table, local, valid, _, _ = make_slots(7, 90)
+    state = random_state(formula, rng, R)
+    grads = jnp.asarray(rng.normal(size=(90, H)), jnp.float32)
+    touched = np.zeros(R, bool)
+    touched[local[valid & (local >= 0) & (local < R)]] = True
+    for count in (0, 4):
+        got = jax.jit(native.apply_rows, static_argnums=0, static_argnames="hidden_size")(
+            formula, table, state, jnp.int32(count), local, valid, grads, hidden_size=H
+        )
+        want = sparse.apply_rows(formula, table, state, jnp.int32(count), local, valid, grads,
+                                 hidden_axes=(), hidden_size=H)  # fmt: skip
+        assert_update_equal(got, want, (table, state), touched)
+        ref_w, ref_s = reference.sparse_step(
+            formula,
+            np.asarray(table),
+            state,
+            np.where(valid, local, -1),
+            np.asarray(grads),
+            count=count,
+            vocab_size=R,
+        )  # fmt: skip  (float64; invalid slots as id -1, which the reference skips)
+        np.testing.assert_allclose(got[0], ref_w, rtol=2e-4, atol=2e-5)
+        for g, w in zip(got[1], ref_s, strict=True):
+            np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "sgd_wd",
+        "adagrad",
+        "rowwise_adagrad_decoupled",
+        "adam_wd_b1_0",
+        "partial_rowwise_adam",
+        "ftrl_power",
+    ],
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_bag_apply_rows_matches_xla(name, dtype):
+    formula = FORMULAS[name]
+    rng = np.random.default_rng(8)
+    table, local, valid, seg, scale = make_slots(8, 110, dtype=dtype)
+    state = random_state(formula, rng, R)
+    out_grad = jnp.asarray(rng.normal(size=(S, H)), dtype)
+    touched = np.zeros(R, bool)
+    touched[local[valid & (local >= 0) & (local < R)]] = True  # segment -1 / >= S: zero grad
+    got = native.bag_apply_rows(
+        formula, table, state, 3, local, valid, seg, scale, out_grad, hidden_size=H
+    )
+    want = native.xla_bag_apply_rows(
+        formula, table, state, 3, local, valid, seg, scale, out_grad, hidden_size=H
+    )
+    assert_update_equal(got, want, (table, state), touched)
+
+
+def test_apply_rows_is_in_place_under_donation():
+    f = FORMULAS["adam"]
+    table, local, valid, _, _ = make_slots(9, 64, rows=1000)
+    grads = jnp.ones((64, H))
+
+    def step(table, state, count):
+        return native.apply_rows(f, table, state, count, local, valid, grads, hidden_size=H)
+
+    state = f.init_state(1000, H)
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    hlo = jitted.lower(table, state, jnp.int32(0)).compile().as_text()
+    assert "custom-call" in hlo and "jaxembed_apply_rows" in hlo
+    copies = [line for line in hlo.splitlines() if re.search(rf"f32\[1000,{H}\]\S* copy\(", line)]
+    assert not copies, copies
+    want = sparse.apply_rows(f, table, state, 0, local, valid, grads, hidden_axes=(), hidden_size=H)
+    got = jitted(jnp.array(table), tuple(jnp.array(s) for s in state), jnp.int32(0))
+    assert_update_equal(got, want, (table, state), np.isin(np.arange(1000), local[valid]))
+
+
+def test_apply_rows_without_donation_leaves_its_inputs_alone():
+    f = FORMULAS["rowwise_adagrad"]
+    table, local, valid, _, _ = make_slots(10, 30)
+    state = f.init_state(R, H)
+    before = np.asarray(table).copy()
+    native.apply_rows(f, table, state, 0, local, valid, jnp.ones((30, H)), hidden_size=H)
+    assert np.asarray(table).tobytes() == before.tobytes()
+    assert np.all(np.asarray(state[0]) == 0)
+
+
+# --- inside shard_map, vmap --------------------------------------------------------------------
+
+
+def test_kernels_inside_shard_map_on_8_devices(mesh_8):
+    """Each device its own block of slots and its own table shard, native vs XLA."""
+    n = 8
+    table, local, valid, seg, scale = make_slots(11, 8 * 64, rows=n * R)
+    local = local % R  # local rows of each device's shard
+    out_grad = jnp.asarray(np.random.default_rng(11).normal(size=(n * S, H)), jnp.float32)
+    f = FORMULAS["rowwise_adagrad"]
+    state = random_state(f, np.random.default_rng(12), n * R)
+
+    def body(impl_pool, impl_update):
+        def run(table, local, valid, seg, scale, out_grad, acc):
+            pooled = impl_pool(table, local, valid, seg, scale, S)
+            new, (new_acc,) = impl_update(f, table, (acc,), 2, local, valid, seg, scale,
+                                          out_grad, hidden_size=H)  # fmt: skip
+            return pooled, new, new_acc
+
+        spec = P("model")
+        return jax.jit(jax.shard_map(run, mesh=mesh_8, in_specs=(spec,) * 7,
+                                     out_specs=(spec, spec, spec)))  # fmt: skip
+
+    put = lambda a: jax.device_put(jnp.asarray(a), NamedSharding(mesh_8, P("model")))
+    args = [put(a) for a in (table, local, valid, seg, scale, out_grad, state[0])]
+    got = body(native.pool_sum, native.bag_apply_rows)(*args)
+    want = body(local_ops.pool_sum, native.xla_bag_apply_rows)(*args)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    assert got[0].sharding.is_equivalent_to(NamedSharding(mesh_8, P("model")), 2)
+
+
+def test_vmap_runs_sequentially():
+    table, local, valid, seg, scale = make_slots(13, 40)
+    tables = jnp.stack([table, 2 * table])
+    got = jax.vmap(native.pool_sum, in_axes=(0, None, None, None, None, None))(
+        tables, local, valid, seg, scale, S
+    )
+    for b in range(2):
+        np.testing.assert_allclose(
+            got[b], local_ops.pool_sum(tables[b], local, valid, seg, scale, S), rtol=1e-5, atol=1e-6
+        )
+
+
+# --- errors, fallback --------------------------------------------------------------------------
+
+
+def test_python_side_errors():
+    table, local, valid, _, _ = make_slots(14, 10)
+    with pytest.raises(ValueError, match=r"valid has shape \(9,\) but local has \(10,\)"):
+        native.gather_rows(table, local, valid[:9])
+    with pytest.raises(TypeError, match="table must be a 2-D float32 or bfloat16"):
+        native.gather_rows(table.astype(jnp.int32), local, valid)
+    f = FORMULAS["adam"]
+    with pytest.raises(ValueError, match=r"hidden_axes=.*split hidden axis"):
+        native.apply_rows(
+            f,
+            table,
+            f.init_state(R, H),
+            0,
+            local,
+            valid,
+            jnp.ones((10, H)),
+            hidden_size=H,
+            hidden_axes=("model",),
+        )
+    with pytest.raises(ValueError, match="takes 2 state arrays"):
+        native.apply_rows(f, table, (), 0, local, valid, jnp.ones((10, H)), hidden_size=H)
+    with pytest.raises(ValueError, match=r"grads has shape \(10, 3\), expected \(10, 8\)"):
+        native.apply_rows(
+            f, table, f.init_state(R, H), 0, local, valid, jnp.ones((10, 3)), hidden_size=H
+        )
+
+
+def test_kernel_errors_name_the_value(monkeypatch):
+    """Shape checks inside the kernel return an ffi::Error (no abort)."""
+    call = jax.ffi.ffi_call("jaxembed_pool_sum", jax.ShapeDtypeStruct((S, H + 1), jnp.float32))
+    table, local, valid, seg, scale = make_slots(15, 10)
+    with pytest.raises(
+        jax.errors.JaxRuntimeError, match=r"pool_sum: out has shape \[12, 9\], expected \[S, 8\]"
+    ):
+        jax.block_until_ready(call(table, local, valid, seg, scale, num_threads=np.int64(1)))
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"num_threads=0 must be in \[1, 1024\]"):
+        call0 = jax.ffi.ffi_call("jaxembed_pool_sum", jax.ShapeDtypeStruct((S, H), jnp.float32))
+        jax.block_until_ready(call0(table, local, valid, seg, scale, num_threads=np.int64(0)))
+    monkeypatch.setenv("JAXEMBED_NUM_THREADS", "zero")
+    with pytest.raises(ValueError, match="JAXEMBED_NUM_THREADS='zero' must be an integer"):
+        native.pool_sum(table, local, valid, seg, scale, S)
+
+
+def test_disabled_falls_back_with_one_warning():
+    code = """
+import warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    from jaxembed.kernels import native
+    first, second = native.available(), native.available()
+print(first, second, native.why_unavailable())
+print(sum(issubclass(w.category, native.NativeKernelsUnavailable) for w in caught))
+try:
+    native.pool_sum(None, None, None, None, None, 1)
+except RuntimeError as e:
+    print("RuntimeError", "unavailable" in str(e))
+"""
+    env = dict(os.environ, JAXEMBED_NATIVE="0", JAX_PLATFORMS="cpu")
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [
+        "False False disabled by JAXEMBED_NATIVE=0",
+        "1",
+        "RuntimeError True",
+    ]
