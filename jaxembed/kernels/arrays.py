@@ -233,8 +233,10 @@ def _caller() -> tuple[str, int]:
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if not name.startswith(_LIBRARY_DIRS) and "/contextlib.py" not in name and (
-            "/functools.py" not in name
+        if (
+            not name.startswith(_LIBRARY_DIRS)
+            and "/contextlib.py" not in name
+            and ("/functools.py" not in name)
         ):
             return name, frame.f_lineno
         frame = frame.f_back

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxembed import ragged
 from jaxembed.kernels import local as local_ops
+from jaxembed.kernels import routed as routed_ops
 from jaxembed.kernels.arrays import (
     layout_known,
     move,
@@ -36,6 +37,8 @@ from jaxembed.kernels.arrays import (
     warn_once,
 )
 from jaxembed.kernels.lookup import (
+    LookupStats,
+    _with_stats,
     as_ids,
     check_table,
     cotangent_spec,
@@ -93,12 +96,15 @@ class _Slots(NamedTuple):
     num_segments: int  # G*B
 
 
-def _slots(plan: EmbeddingPlan, bags: Bags, *, my_bags_only: bool) -> _Slots:
+def _slots(
+    plan: EmbeddingPlan, bags: Bags, *, my_bags_only: bool, owned_only: bool = True
+) -> _Slots:
     """The canonical form of a block of bags, flattened: which slots pool into which bag.
 
     With `my_bags_only`, a device whose output splits the bag axis keeps only its range of
     bags (the ids are whole on it); after the rows exchange gathered out_grad along that
-    axis, every bag is its own.
+    axis, every bag is its own. With `owned_only=False`, `here` marks every slot that reads
+    a row, wherever it lives (the routed exchange fetches them).
     """
     bag = plan.bag
     if bag.form == "dense":
@@ -121,7 +127,7 @@ def _slots(plan: EmbeddingPlan, bags: Bags, *, my_bags_only: bool) -> _Slots:
     groups = math.prod(batch.ids.shape[:-1])
     return _Slots(
         local.reshape(-1),
-        (here & valid).reshape(-1),
+        (here & valid if owned_only else valid).reshape(-1),
         segment.reshape(-1),
         position.reshape(-1),
         scale.reshape(-1),
@@ -147,27 +153,66 @@ def bag_slot_grads(
     the columns where this slot won the maximum.
     """
     s = _slots(plan, bags, my_bags_only=my_bags_only)
+    return s.local, s.here, _slot_grads(plan, s, out_grad, winners)
+
+
+def _slot_grads(plan: EmbeddingPlan, s: _Slots, out_grad, winners) -> jax.Array:
     hidden = out_grad.shape[-1]
     og = out_grad.reshape(-1, hidden).astype(jnp.float32)  # f32[G*B, H/K]
     rows = jnp.take(og, s.segment, axis=0, mode="fill", fill_value=0)  # f32[M, H/K]
     if plan.bag.combiner == "max":
         won = jnp.take(winners.reshape(-1, hidden), s.segment, axis=0, mode="fill", fill_value=-1)
-        grads = jnp.where(won == s.position[:, None], rows, 0.0)
-    else:
-        grads = rows * s.scale[:, None]
-    return s.local, s.here, grads
+        return jnp.where(won == s.position[:, None], rows, 0.0)
+    return rows * s.scale[:, None]
 
 
 # --- the bodies ------------------------------------------------------------------------------
 
 
+def _gather_bags(plan: EmbeddingPlan, bags: Bags, axes, dim) -> Bags:
+    """The batch operands gathered over `axes` along output batch axis `dim` (those that
+    have it)."""
+    return Bags(*(
+        gather(a, axes, dim) if a is not None and operand_has_dim(a.ndim, dim, True) else a
+        for a in bags
+    ))  # fmt: skip
+
+
+def _routed_pool(plan: EmbeddingPlan, bags: Bags, table: jax.Array):
+    """The routed forward: fetch each slot's row from its owner, pool locally; a step whose
+    buckets overflow pools through the gather exchange instead. `(out, overflow)`."""
+    s = _slots(plan, bags, my_bags_only=True, owned_only=False)
+    buckets = routed_ops.bucketize(plan, bags.ids.reshape(-1), s.here)
+    overflow = routed_ops.overflowed(buckets, plan.mesh_names)
+
+    def routed(_):
+        rows = routed_ops.route_rows(plan, table, buckets)  # f[M, H/K], complete rows
+        slots = jnp.arange(rows.shape[0], dtype=jnp.int32)
+        pooled = local_ops.pool_sum(rows, slots, s.here, s.segment, s.scale, s.num_segments)
+        return _out_shape(plan, bags, pooled.astype(table.dtype))
+
+    def fallback(_):
+        whole = _gather_bags(plan, bags, plan.routed.axes, plan.routed.dim)
+        g = _slots(plan, whole, my_bags_only=True)
+        pooled = local_ops.pool_sum(table, g.local, g.here, g.segment, g.scale, g.num_segments)
+        return reduce_over_rows(plan, _out_shape(plan, whole, pooled.astype(table.dtype)))
+
+    return jax.lax.cond(overflow, fallback, routed, None), overflow.astype(jnp.int32)
+
+
 def pool(plan: EmbeddingPlan, bags: Bags, table: jax.Array):
-    """A block's pooled bags, reduced over the row shards: `(out, winners)` in the body's
-    layout (winners: the slot of each max, int32 like out; None unless max)."""
+    """A block's pooled bags, reduced over the row shards: `(out, winners, overflow)` in the
+    body's layout (winners: the slot of each max, int32 like out, None unless max; overflow:
+    int32[], the routed exchange fell back this step)."""
+    no_overflow = jnp.zeros((), jnp.int32)
+    if plan.exchange == "routed":
+        out, overflow = _routed_pool(plan, bags, table)
+        return out, None, overflow
     s = _slots(plan, bags, my_bags_only=True)
     if plan.bag.combiner != "max":
         pooled = local_ops.pool_sum(table, s.local, s.here, s.segment, s.scale, s.num_segments)
-        return reduce_over_rows(plan, _out_shape(plan, bags, pooled.astype(table.dtype))), None
+        out = reduce_over_rows(plan, _out_shape(plan, bags, pooled.astype(table.dtype)))
+        return out, None, no_overflow
     maxima, winners = local_ops.pool_max(table, s.local, s.here, s.segment, s.num_segments)
     # maxima: f32[G*B, H/K] (-inf: no row here); winners: slot index in the flat block
     capacity = bags.ids.shape[-1]
@@ -178,7 +223,7 @@ def pool(plan: EmbeddingPlan, bags: Bags, table: jax.Array):
         winners = jax.lax.pmin(mine, plan.psum_axes)
         maxima = best
     pooled = jnp.where(jnp.isfinite(maxima), maxima, 0.0).astype(table.dtype)
-    return _out_shape(plan, bags, pooled), _out_shape(plan, bags, winners)
+    return _out_shape(plan, bags, pooled), _out_shape(plan, bags, winners), no_overflow
 
 
 def moved_bags(plan: EmbeddingPlan, given) -> Bags:
@@ -192,10 +237,10 @@ def _forward_body(plan: EmbeddingPlan, *arrays):
     # as given; table f[V/R, H/K] last.
     *given, table = arrays
     bags = moved_bags(plan, given)
-    out, winners = pool(plan, bags, table)  # f[*out / body_out_spec, H/K]
+    out, winners, overflow = pool(plan, bags, table)  # f[*out / body_out_spec, H/K]
     out = apply_moves(out, plan.out_moves)  # f[*out / out_spec, H']
     residuals = (*bags.operands(), *((winners,) if winners is not None else ()))
-    return out, residuals
+    return out, residuals, overflow
 
 
 def _ops_by_name(plan: EmbeddingPlan):
@@ -218,20 +263,46 @@ def _rows_exchange(plan: EmbeddingPlan, bags: Bags, out_grad, winners):
     return Bags(**arrays), out_grad, winners
 
 
-def exchanged_slot_grads(plan: EmbeddingPlan, bags: Bags, out_grad, winners):
-    """out_grad into the body's layout, the exchange, then each slot's gradient."""
+def exchanged_slot_grads(plan: EmbeddingPlan, bags: Bags, out_grad, winners, consume):
+    """out_grad into the body's layout, the exchange, then each slot's gradient handed to
+    `consume(local, here, grads)` (a scatter-add, or an optimizer's update), whose result
+    is returned. Under the routed exchange `consume` runs in both branches of its `cond`."""
+    if plan.exchange == "routed":
+        out_grad = apply_moves(out_grad, plan.grad_moves)
+        s = _slots(plan, bags, my_bags_only=True, owned_only=False)
+        buckets = routed_ops.bucketize(plan, bags.ids.reshape(-1), s.here)
+
+        def routed(_):
+            grads = _slot_grads(plan, s, out_grad, None)
+            owner_ids, summed = routed_ops.route_grads(plan, buckets, grads)
+            local, here = local_ops.local_rows(plan, owner_ids)
+            return consume(local, here & (owner_ids >= 0), summed)
+
+        def fallback(_):
+            axes, dim = plan.routed.axes, plan.routed.dim
+            whole = _gather_bags(plan, bags, axes, dim)
+            return consume(*bag_slot_grads(plan, whole, gather(out_grad, axes, dim), None,
+                                           my_bags_only=True))  # fmt: skip
+
+        overflow = routed_ops.overflowed(buckets, plan.mesh_names)
+        return jax.lax.cond(overflow, fallback, routed, None)
     out_grad = out_grad_to_body(plan, out_grad)
     if plan.exchange == "rows":
         bags, out_grad, winners = _rows_exchange(plan, bags, out_grad, winners)
-    return bag_slot_grads(plan, bags, out_grad, winners, my_bags_only=plan.exchange != "rows")
+    return consume(
+        *bag_slot_grads(plan, bags, out_grad, winners, my_bags_only=plan.exchange != "rows")
+    )
 
 
 def _backward_body(plan: EmbeddingPlan, *arrays):
     *residuals, out_grad = arrays
     bags = _unpack(plan, residuals)
     winners = residuals[-1] if plan.bag.combiner == "max" else None
-    local, here, grads = exchanged_slot_grads(plan, bags, out_grad, winners)
-    weight_grad = local_ops.scatter_add(plan.table_shard_shape, local, here, grads)
+
+    def scatter(local, here, grads):
+        return local_ops.scatter_add(plan.table_shard_shape, local, here, grads)
+
+    weight_grad = exchanged_slot_grads(plan, bags, out_grad, winners, scatter)
     return finish_gradient(plan, weight_grad)  # f[V/R, H/K]
 
 
@@ -246,20 +317,24 @@ def residual_specs(plan: EmbeddingPlan) -> tuple[P, ...]:
 
 def _forward(plan: EmbeddingPlan, mesh: Any, operands, table):
     in_specs = (*(op.given for op in plan.operands), plan.weight_spec)
-    body = shard_map(_forward_body, plan, mesh, in_specs, (plan.out_spec, residual_specs(plan)))
+    out_specs = (plan.out_spec, residual_specs(plan), P())
+    body = shard_map(_forward_body, plan, mesh, in_specs, out_specs)
     return body(*operands, table)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _bag(plan: EmbeddingPlan, mesh: Any, operands: tuple, table: jax.Array) -> jax.Array:
-    return _forward(plan, mesh, operands, table)[0]
+def _bag(plan: EmbeddingPlan, mesh: Any, operands: tuple, table: jax.Array):
+    out, _, overflow = _forward(plan, mesh, operands, table)
+    return out, overflow
 
 
 def _bag_fwd(plan, mesh, operands, table):
-    return _forward(plan, mesh, operands, table)
+    out, residuals, overflow = _forward(plan, mesh, operands, table)
+    return (out, overflow), residuals
 
 
-def _bag_bwd(plan, mesh, residuals, out_grad):
+def _bag_bwd(plan, mesh, residuals, cotangents):
+    out_grad, _ = cotangents
     ct_spec = cotangent_spec(plan)
     out_grad = move(out_grad, mesh, ct_spec)
     in_specs = (*residual_specs(plan), ct_spec)
@@ -350,7 +425,10 @@ def embedding_bag(
     out_spec: P | None = None,
     exchange: Exchange = "auto",
     row_sharding: str = "block",
-) -> jax.Array:
+    capacity: int | None = None,
+    capacity_factor: float | None = None,
+    return_stats: bool = False,
+) -> Any:
     """Pools `weight`'s rows over bags of ids, sharded, with PyTorch's `embedding_bag` semantics.
 
     Input forms (all jittable, static shapes; see `jaxembed.ragged`):
@@ -375,8 +453,8 @@ def embedding_bag(
       combiner: `"sum"`, `"mean"` (over the ids that read a row: padding and empty slots
         are not counted), `"sqrtn"` or `"max"` (element-wise; its gradient goes to the
         earliest slot giving the max). An empty bag gives zeros.
-      padding_idx, vocab_size, mesh, weight_spec, out_spec, exchange, row_sharding: as in
-        `jaxembed.embedding`.
+      padding_idx, vocab_size, mesh, weight_spec, out_spec, exchange, row_sharding, capacity,
+        capacity_factor, return_stats: as in `jaxembed.embedding`.
       x_spec: the ids' layout (the lengths and weights follow the same lead layout unless
         their arrays state their own); default read from the arrays, or assumed as in
         `embedding`.
@@ -414,14 +492,16 @@ def embedding_bag(
     if runs_on_one_device(mesh, x_spec, weight_spec, out_spec):
         validate_scalars(plan_vocab, padding_idx, weight.shape[0])
         _check_bag_ids(bags, plan_vocab)
-        return _dense_bag(bags, combiner, weight, plan_vocab, padding_idx)
+        out = _dense_bag(bags, combiner, weight, plan_vocab, padding_idx)
+        return _with_stats(out, return_stats)
     weight_spec, x_spec = resolve_layouts(
         bags.ids, weight, mesh, x_spec=x_spec, weight_spec=weight_spec,
         function="embedding_bag",
     )  # fmt: skip
     if weight_spec is None:
         validate_scalars(plan_vocab, padding_idx, weight.shape[0])
-        return _dense_bag(bags, combiner, weight, plan_vocab, padding_idx)
+        out = _dense_bag(bags, combiner, weight, plan_vocab, padding_idx)
+        return _with_stats(out, return_stats)
     plan = plan_embedding_bag(
         mesh, bags.ids.shape, weight.shape,
         num_bags=None if bags.lengths is None else bags.lengths.shape[-1],
@@ -430,14 +510,16 @@ def embedding_bag(
         weights_spec=_companion_spec(bags.weights, mesh, x_spec),
         weight_spec=weight_spec, out_spec=out_spec, padding_idx=padding_idx,
         vocab_size=vocab_size, dtype=weight.dtype, ids_dtype=bags.ids.dtype,
-        exchange=exchange, row_sharding=row_sharding,
+        exchange=exchange, row_sharding=row_sharding, capacity=capacity,
+        capacity_factor=capacity_factor,
     )  # fmt: skip
     _check_bag_ids(bags, plan.vocab_size)
     operands = tuple(
         move(a, mesh, op.given) if not isinstance(a, jax.core.Tracer) else a
         for a, op in zip(bags.operands(), plan.operands, strict=True)
     )
-    return _bag(plan, mesh, operands, weight)
+    out, overflow = _bag(plan, mesh, operands, weight)
+    return (out, LookupStats(overflow)) if return_stats else out
 
 
 def _companion_spec(a: jax.Array | None, mesh: Any, x_spec: P) -> P | None:

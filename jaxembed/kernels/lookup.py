@@ -15,7 +15,7 @@ collective of the compiled program is one the plan lists.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxembed.kernels import local as local_ops
+from jaxembed.kernels import routed as routed_ops
 from jaxembed.kernels.arrays import (
     assumed_ids_spec,
     layout_known,
@@ -36,7 +37,7 @@ from jaxembed.kernels.arrays import (
 from jaxembed.kernels.reshard import apply_moves, gather
 from jaxembed.plan import EmbeddingPlan, Exchange, plan_embedding
 
-__all__ = ["check_ids", "embedding", "resolve_layouts"]
+__all__ = ["LookupStats", "check_ids", "embedding", "resolve_layouts"]
 
 
 # --- pieces shared by every body -------------------------------------------------------------
@@ -87,45 +88,92 @@ def cotangent_spec(plan: EmbeddingPlan) -> P:
 # --- the lookup's bodies -----------------------------------------------------------------------
 
 
+def _gathered_lookup(plan: EmbeddingPlan, ids: jax.Array, table: jax.Array) -> jax.Array:
+    local, valid = local_ops.local_rows(plan, ids)
+    out = local_ops.gather_rows(table, local, valid)  # f[*batch / ids_spec, H/K], partial over R
+    return reduce_over_rows(plan, out)  # f[*batch / body_out_spec, H/K]
+
+
 def _forward_body(plan: EmbeddingPlan, x: jax.Array, table: jax.Array):
     # x: i32[*batch / x_spec]   table: f[V/R, H/K]
     ids = apply_moves(x, plan.ids_operand.moves)  # i32[*batch / ids_spec]
+    overflow = jnp.zeros((), jnp.int32)
+    if plan.exchange == "routed":  # ids split over the routed axes S as well
+        flat = ids.reshape(-1)
+        buckets = routed_ops.bucketize(plan, flat, local_ops.reads_a_row(
+            flat, plan.vocab_size, plan.padding_idx))  # fmt: skip
+        overflow = routed_ops.overflowed(buckets, plan.mesh_names)
+
+        def routed(_):
+            rows = routed_ops.route_rows(plan, table, buckets)  # f[M, H/K], complete
+            return rows.reshape(*ids.shape, rows.shape[-1])
+
+        def fallback(_):  # the gather exchange: gather ids over S, psum_scatter back
+            whole = gather(ids, plan.routed.axes, plan.routed.dim)
+            return _gathered_lookup(plan, whole, table)
+
+        out = jax.lax.cond(overflow, fallback, routed, None)
+        overflow = overflow.astype(jnp.int32)
+    else:
+        out = _gathered_lookup(plan, ids, table)
+    return apply_moves(out, plan.out_moves), ids, overflow  # f[*batch / out_spec, H']
+
+
+def _scatter_gradient(plan, ids, out_grad):
     local, valid = local_ops.local_rows(plan, ids)
-    out = local_ops.gather_rows(table, local, valid)  # f[*batch / ids_spec, H/K], partial over R
-    out = reduce_over_rows(plan, out)  # f[*batch / body_out_spec, H/K]
-    return apply_moves(out, plan.out_moves), ids  # f[*batch / out_spec, H'], residual ids
+    return local_ops.scatter_add(plan.table_shard_shape, local, valid, out_grad)
 
 
 def _backward_body(plan: EmbeddingPlan, ids: jax.Array, out_grad: jax.Array) -> jax.Array:
     # ids: i32[*batch / ids_spec]   out_grad: f[*batch / out_spec, H']
+    if plan.exchange == "routed":
+        out_grad = apply_moves(out_grad, plan.grad_moves)  # f[*batch / ids_spec, H/K]
+        flat = ids.reshape(-1)
+        buckets = routed_ops.bucketize(plan, flat, local_ops.reads_a_row(
+            flat, plan.vocab_size, plan.padding_idx))  # fmt: skip
+
+        def routed(_):
+            owner_ids, grads = routed_ops.route_grads(
+                plan, buckets, out_grad.reshape(flat.shape[0], -1)
+            )
+            return _scatter_gradient(plan, owner_ids, grads)
+
+        def fallback(_):
+            axes, dim = plan.routed.axes, plan.routed.dim
+            return _scatter_gradient(plan, gather(ids, axes, dim), gather(out_grad, axes, dim))
+
+        overflow = routed_ops.overflowed(buckets, plan.mesh_names)
+        weight_grad = jax.lax.cond(overflow, fallback, routed, None)
+        return finish_gradient(plan, weight_grad)
     out_grad = out_grad_to_body(plan, out_grad)  # f[*batch / ids_spec, H/K], replicated over R
     if plan.exchange == "rows":
         for dim, axes in plan.batch_gathers:
             ids = gather(ids, axes, dim)
             out_grad = gather(out_grad, axes, dim)
         # ids: i32[*batch]   out_grad: f[*batch, H/K]
-    local, valid = local_ops.local_rows(plan, ids)
-    weight_grad = local_ops.scatter_add(plan.table_shard_shape, local, valid, out_grad)
+    weight_grad = _scatter_gradient(plan, ids, out_grad)
     return finish_gradient(plan, weight_grad)  # f[V/R, H/K]
 
 
 def _forward(plan: EmbeddingPlan, mesh: Any, x: jax.Array, table: jax.Array):
-    body = shard_map(
-        _forward_body, plan, mesh, (plan.x_spec, plan.weight_spec), (plan.out_spec, plan.ids_spec)
-    )
+    out_specs = (plan.out_spec, plan.ids_spec, P())
+    body = shard_map(_forward_body, plan, mesh, (plan.x_spec, plan.weight_spec), out_specs)
     return body(x, table)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _lookup(plan: EmbeddingPlan, mesh: Any, x: jax.Array, table: jax.Array) -> jax.Array:
-    return _forward(plan, mesh, x, table)[0]
+def _lookup(plan: EmbeddingPlan, mesh: Any, x: jax.Array, table: jax.Array):
+    out, _, overflow = _forward(plan, mesh, x, table)
+    return out, overflow
 
 
 def _lookup_fwd(plan, mesh, x, table):
-    return _forward(plan, mesh, x, table)
+    out, ids, overflow = _forward(plan, mesh, x, table)
+    return (out, overflow), ids
 
 
-def _lookup_bwd(plan, mesh, ids, out_grad):
+def _lookup_bwd(plan, mesh, ids, cotangents):
+    out_grad, _ = cotangents
     ct_spec = cotangent_spec(plan)
     out_grad = move(out_grad, mesh, ct_spec)  # a no-op: it arrives in the output's layout
     bwd = shard_map(_backward_body, plan, mesh, (plan.ids_spec, ct_spec), plan.weight_spec)
@@ -245,6 +293,22 @@ def resolve_layouts(
 # --- the public entry point ----------------------------------------------------------------
 
 
+class LookupStats(NamedTuple):
+    """What a lookup did that its plan cannot know in advance (returned with `return_stats`).
+
+    Attributes:
+      routed_fallback: int32[], 1 when some bucket of the routed exchange overflowed its
+        capacity in this step and the exact gather exchange ran instead (0 otherwise, and
+        always 0 for the other exchanges). Sum it over steps to count the fallbacks.
+    """
+
+    routed_fallback: jax.Array
+
+
+def _with_stats(out: jax.Array, return_stats: bool):
+    return (out, LookupStats(jnp.zeros((), jnp.int32))) if return_stats else out
+
+
 def check_ids_eagerly(x: Any, vocab_size: int) -> None:
     """Raises on out-of-range ids when they are concrete (called outside `jit`)."""
     if isinstance(x, jax.core.Tracer):
@@ -323,7 +387,10 @@ def embedding(
     exchange: Exchange = "auto",
     gradient_exchange: Exchange | None = None,
     row_sharding: str = "block",
-) -> jax.Array:
+    capacity: int | None = None,
+    capacity_factor: float | None = None,
+    return_stats: bool = False,
+) -> Any:
     """Looks up `weight[x]` on any layout of table and ids; the gradient stays in the table's.
 
     The table never moves: layout conflicts are resolved by moving the ids (and, in the
@@ -345,16 +412,22 @@ def embedding(
       out_spec: the output's layout; default the ids' layout plus the table's hidden split.
         Splitting a batch axis over a row axis gives a sequence-parallel output
         (`psum_scatter`); `unreduced={...}` returns partial sums (Explicit meshes).
-      exchange: how the gradient's partial sum over the batch is resolved: `"auto"` (the
-        cost model's choice, per the plan), `"dense"` (`psum` of the gradient shard) or
-        `"rows"` (gather ids and out_grad, then scatter-add).
+      exchange: how ids reach the rows and gradients reach the table: `"auto"` (the cost
+        model's choice, per the plan), `"dense"` (`psum` of the gradient shard), `"rows"`
+        (gather ids and out_grad, then scatter-add) or `"routed"` (where ids and rows share
+        mesh axes: each distinct id goes to its owner at a static capacity; a step whose
+        buckets overflow runs the gather exchange instead, exactly).
       gradient_exchange: the old name of `exchange`.
       row_sharding: `"block"` (the table's rows in contiguous blocks per shard) or `"mod"`
         (id i on shard i mod n at local row i div n; see `jaxembed.to_mod_order`).
+      capacity, capacity_factor: the routed exchange's C (distinct ids per device and
+        owner per step), or its factor over the uniform expectation (default 2).
+      return_stats: also return a `LookupStats` (whether the routed exchange fell back).
 
     Returns:
-      `out[*batch, H]` laid out as `out_spec`. Ids outside `[0, vocab_size)` read as zero
-      rows and get no gradient under `jit`; called with concrete ids, they raise.
+      `out[*batch, H]` laid out as `out_spec` (and `LookupStats` with `return_stats`). Ids
+      outside `[0, vocab_size)` read as zero rows and get no gradient under `jit`; called
+      with concrete ids, they raise.
 
     Raises:
       TypeError: float ids or a non-float table.
@@ -376,7 +449,8 @@ def embedding(
         x, weight, padding_idx=padding_idx, vocab_size=vocab_size, mesh=mesh, x_spec=x_spec,
         weight_spec=weight_spec, out_spec=out_spec,
         exchange=exchange if gradient_exchange is None else gradient_exchange,
-        row_sharding=row_sharding,
+        row_sharding=row_sharding, capacity=capacity, capacity_factor=capacity_factor,
+        return_stats=return_stats,
     )  # fmt: skip
 
 
@@ -392,11 +466,14 @@ def lookup(
     out_spec: P | None = None,
     exchange: Exchange = "auto",
     row_sharding: str = "block",
+    capacity: int | None = None,
+    capacity_factor: float | None = None,
+    return_stats: bool = False,
     x_hint: P | None = None,
     function: str = "embedding",
     table_advice: str | None = None,
     ids_advice: str | None = None,
-) -> jax.Array:
+) -> Any:
     """`embedding` with the hooks the Flax modules use (internal).
 
     `x_hint` is a layout for the ids that is used where it divides (a module's
@@ -410,7 +487,7 @@ def lookup(
         plan_vocab = weight.shape[0] if vocab_size is None else vocab_size
         validate_scalars(plan_vocab, padding_idx, weight.shape[0])
         check_ids_eagerly(x, plan_vocab)
-        return dense_lookup(x, weight, plan_vocab, padding_idx)
+        return _with_stats(dense_lookup(x, weight, plan_vocab, padding_idx), return_stats)
     weight_spec, x_spec = resolve_layouts(
         x, weight, mesh, x_spec=x_spec, weight_spec=weight_spec, x_hint=x_hint,
         function=function, table_advice=table_advice, ids_advice=ids_advice,
@@ -418,13 +495,15 @@ def lookup(
     if weight_spec is None:  # the table's layout is unknown: XLA's lookup, never a gather
         plan_vocab = weight.shape[0] if vocab_size is None else vocab_size
         validate_scalars(plan_vocab, padding_idx, weight.shape[0])
-        return dense_lookup(x, weight, plan_vocab, padding_idx)
+        return _with_stats(dense_lookup(x, weight, plan_vocab, padding_idx), return_stats)
     plan = plan_embedding(
         mesh, x.shape, weight.shape, x_spec=x_spec, weight_spec=weight_spec,
         out_spec=out_spec, padding_idx=padding_idx, vocab_size=vocab_size,
         dtype=weight.dtype, ids_dtype=x.dtype, exchange=exchange, row_sharding=row_sharding,
+        capacity=capacity, capacity_factor=capacity_factor,
     )  # fmt: skip
     check_ids_eagerly(x, plan.vocab_size)
     if not isinstance(x, jax.core.Tracer):
         x = move(x, mesh, plan.x_spec)  # a concrete array is put where x_spec says
-    return _lookup(plan, mesh, x, weight)
+    out, overflow = _lookup(plan, mesh, x, weight)
+    return (out, LookupStats(overflow)) if return_stats else out

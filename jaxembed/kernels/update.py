@@ -16,6 +16,7 @@ from typing import Any
 import jax
 
 from jaxembed.kernels import local as local_ops
+from jaxembed.kernels import routed as routed_ops
 from jaxembed.kernels.bag import exchanged_slot_grads, moved_bags, pool
 from jaxembed.kernels.lookup import out_grad_to_body
 from jaxembed.kernels.reshard import apply_moves, gather
@@ -25,33 +26,54 @@ from jaxembed.plan import EmbeddingPlan
 __all__ = ["sparse_update"]
 
 
-def _plain_slots(plan: EmbeddingPlan, given, out_grad):
+def _plain_update(plan: EmbeddingPlan, given, out_grad, consume):
     ids = apply_moves(given[0], plan.ids_operand.moves)  # i32[*batch / ids_spec]
+    if plan.exchange == "routed":
+        out_grad = apply_moves(out_grad, plan.grad_moves)  # f[*batch / ids_spec, H/K]
+        flat = ids.reshape(-1)
+        buckets = routed_ops.bucketize(plan, flat, local_ops.reads_a_row(
+            flat, plan.vocab_size, plan.padding_idx))  # fmt: skip
+
+        def routed(_):
+            owner_ids, grads = routed_ops.route_grads(
+                plan, buckets, out_grad.reshape(flat.shape[0], -1)
+            )
+            local, here = local_ops.local_rows(plan, owner_ids)
+            return consume(local, here & (owner_ids >= 0), grads)
+
+        def fallback(_):
+            axes, dim = plan.routed.axes, plan.routed.dim
+            whole = gather(ids, axes, dim)
+            return consume(*local_ops.local_rows(plan, whole), gather(out_grad, axes, dim))
+
+        overflow = routed_ops.overflowed(buckets, plan.mesh_names)
+        return jax.lax.cond(overflow, fallback, routed, None)
     out_grad = out_grad_to_body(plan, out_grad)  # f[*batch / ids_spec, H/K]
     if plan.exchange == "rows":
         for dim, axes in plan.batch_gathers:
             ids = gather(ids, axes, dim)
             out_grad = gather(out_grad, axes, dim)
-    local, here = local_ops.local_rows(plan, ids)
-    return local, here, out_grad
+    return consume(*local_ops.local_rows(plan, ids), out_grad)
 
 
 def _update_body(plan: EmbeddingPlan, formula: Any, num_slots: int, *arrays):
     # table f[V/R, H/K], slots f32[V/R(, H/K)]..., count i32[], operands as given, out_grad
     table, *rest = arrays
     slots, (count, *given, out_grad) = tuple(rest[:num_slots]), rest[num_slots:]
-    if plan.bag is None:
-        local, here, grads = _plain_slots(plan, given, out_grad)
-    else:
-        bags = moved_bags(plan, given)
-        winners = pool(plan, bags, table)[1] if plan.bag.combiner == "max" else None
-        local, here, grads = exchanged_slot_grads(plan, bags, out_grad, winners)
     hidden_local = table.shape[1]
-    return apply_rows(
-        formula, table, slots, count, local.reshape(-1), here.reshape(-1),
-        grads.reshape(-1, hidden_local), hidden_axes=plan.hidden_axes,
-        hidden_size=plan.weight_shape[1],
-    )  # fmt: skip
+
+    def consume(local, here, grads):
+        return apply_rows(
+            formula, table, slots, count, local.reshape(-1), here.reshape(-1),
+            grads.reshape(-1, hidden_local), hidden_axes=plan.hidden_axes,
+            hidden_size=plan.weight_shape[1],
+        )  # fmt: skip
+
+    if plan.bag is None:
+        return _plain_update(plan, given, out_grad, consume)
+    bags = moved_bags(plan, given)
+    winners = pool(plan, bags, table)[1] if plan.bag.combiner == "max" else None
+    return exchanged_slot_grads(plan, bags, out_grad, winners, consume)
 
 
 def slot_spec(plan: EmbeddingPlan, per_row: bool):

@@ -281,6 +281,10 @@ class EmbeddingPlan:
         return 0.0  # not a candidate here (no batch axes, or an update): nothing to send
 
     @property
+    def mesh_names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.mesh_axes)
+
+    @property
     def num_row_shards(self) -> int:
         return self._size(self.row_axes)
 

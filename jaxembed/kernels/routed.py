@@ -1,0 +1,148 @@
+"""The routed exchange inside a body: bucket ids by owner, send each distinct id once.
+
+On every device, for its M id slots (`jaxembed.plan.routed` has the plan):
+
+    owner of each id over S          dest: i32[M]   (n_S: the id reads no row)
+    sort by (owner, id), dedup       pos: i32[M]    each slot's distinct id's place in its bucket
+    send[owner, pos] = id            send: i32[n_S, C]   (-1: empty)
+    all_to_all over S                -> the owners; they look their rows up (partial over the
+                                        table's other row axes: psum), and all_to_all back
+    out[slot] = back[dest, pos]
+
+The backward sums each distinct id's gradient in the same buckets and sends it to the owner.
+Whether any bucket of any device overflowed its capacity C is one all-reduced flag; a step
+that overflowed runs the gather exchange instead (the callers' `lax.cond`), so no id is ever
+dropped.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxembed.kernels import local as local_ops
+from jaxembed.plan import EmbeddingPlan
+
+__all__ = ["Buckets", "bucketize", "overflowed", "route_grads", "route_rows"]
+
+
+class Buckets(NamedTuple):
+    """One device's ids, bucketed by owner.
+
+    Attributes:
+      send: i32[n_S, C], each bucket's distinct ids (-1: an empty place).
+      dest: i32[M], each slot's bucket (n_S: the slot reads no row).
+      pos: i32[M], the place of each slot's id in its bucket (>= C: it did not fit).
+      overflow: bool[], some bucket of this device holds more than C distinct ids.
+    """
+
+    send: jax.Array
+    dest: jax.Array
+    pos: jax.Array
+    overflow: jax.Array
+
+    def fits(self) -> jax.Array:
+        n, c = self.send.shape
+        return (self.dest < n) & (self.pos < c)
+
+
+def _owner_coordinate(plan: EmbeddingPlan, ids: jax.Array) -> jax.Array:
+    """The position, along the routed axes S, of the row shard that owns each id."""
+    routed = plan.routed
+    owner = local_ops.owner_of(
+        jnp.maximum(ids, 0), plan.rows_per_shard, plan.num_row_shards, plan.row_sharding
+    )
+    sizes = dict(plan.mesh_axes)
+    coordinate = jnp.zeros_like(owner)
+    # Unravel the owner's index over the row axes (major first); ravel its S coordinates.
+    rest = owner
+    coords = {}
+    for axis in reversed(plan.row_axes):
+        coords[axis] = rest % sizes[axis]
+        rest = rest // sizes[axis]
+    for axis in routed.axes:
+        coordinate = coordinate * sizes[axis] + coords[axis]
+    return coordinate
+
+
+def bucketize(plan: EmbeddingPlan, ids: jax.Array, valid: jax.Array) -> Buckets:
+    """Buckets a device's ids by owner and removes duplicates in each bucket.
+
+    Args:
+      plan: a plan whose exchange is routed.
+      ids: i32[M] the device's ids (flattened).
+      valid: bool[M] whether each id reads a row.
+
+    Returns:
+      The `Buckets`.
+    """
+    n, c = plan.routed.num_buckets, plan.routed.capacity
+    m = ids.shape[0]
+    dest = jnp.where(valid, _owner_coordinate(plan, ids), n).astype(jnp.int32)
+    key = jnp.where(valid, ids, 0).astype(jnp.int32)
+    slot = jnp.arange(m, dtype=jnp.int32)
+    sorted_dest, sorted_key, order = jax.lax.sort((dest, key, slot), num_keys=2)
+    changed = (sorted_dest[1:] != sorted_dest[:-1]) | (sorted_key[1:] != sorted_key[:-1])
+    new = jnp.concatenate([jnp.ones((1,), bool), changed])
+    rank = jnp.cumsum(new.astype(jnp.int32)) - 1  # distinct id number, in sorted order
+    distinct = jax.ops.segment_sum(new.astype(jnp.int32), sorted_dest, num_segments=n + 1)
+    start = jnp.cumsum(distinct) - distinct  # each bucket's first distinct number
+    sorted_pos = rank - start[sorted_dest]
+    pos = jnp.zeros((m,), jnp.int32).at[order].set(sorted_pos, unique_indices=True)
+    keep = new & (sorted_dest < n) & (sorted_pos < c)
+    send = (
+        jnp.full((n, c), -1, jnp.int32)
+        .at[jnp.where(keep, sorted_dest, n), jnp.where(keep, sorted_pos, c)]
+        .set(sorted_key, mode="drop")
+    )
+    overflow = jnp.any(distinct[:n] > c)
+    return Buckets(send, dest, pos, overflow)
+
+
+def overflowed(buckets: Buckets, mesh_axes: tuple[str, ...]) -> jax.Array:
+    """Whether any device's bucket overflowed: the same answer on every device."""
+    return jax.lax.psum(buckets.overflow.astype(jnp.int32), mesh_axes) > 0
+
+
+def _to_owners(plan: EmbeddingPlan, x: jax.Array) -> jax.Array:
+    # x: [n_S, C, ...] -> [n_S, C, ...]: row j goes to the device at position j along S.
+    return jax.lax.all_to_all(x, plan.routed.axes, 0, 0, tiled=True)
+
+
+def route_rows(plan: EmbeddingPlan, table: jax.Array, buckets: Buckets) -> jax.Array:
+    """Each slot's row, fetched from its owner: f[M, H/K] (zero for slots that read none)."""
+    recv = _to_owners(plan, buckets.send)  # i32[n_S, C] ids from each source
+    local, valid = local_ops.local_rows(plan, recv)
+    rows = local_ops.gather_rows(table, local, valid & (recv >= 0))  # f[n_S, C, H/K]
+    if plan.routed.rest_axes:
+        rows = jax.lax.psum(rows, plan.routed.rest_axes)  # the owners' other row shards
+    back = _to_owners(plan, rows)  # f[n_S, C, H/K]: my ids' rows, by bucket and place
+    fits = buckets.fits()
+    got = back[jnp.where(fits, buckets.dest, 0), jnp.where(fits, buckets.pos, 0)]
+    return jnp.where(fits[:, None], got, jnp.zeros((), got.dtype))
+
+
+def route_grads(
+    plan: EmbeddingPlan, buckets: Buckets, grads: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Sends each distinct id's summed gradient to its owner.
+
+    Args:
+      plan: the routed plan.
+      buckets: the device's buckets (as in the forward).
+      grads: f[M, H/K] each slot's gradient.
+
+    Returns:
+      `(ids, grads)` at the owner: i32[n_S·C] (-1: none) and f32[n_S·C, H/K].
+    """
+    n, c = buckets.send.shape
+    fits = buckets.fits()
+    place = jnp.where(fits, buckets.dest * c + buckets.pos, n * c)
+    summed = jax.ops.segment_sum(
+        jnp.where(fits[:, None], grads.astype(jnp.float32), 0.0), place, num_segments=n * c + 1
+    )[: n * c]
+    ids = _to_owners(plan, buckets.send).reshape(n * c)
+    summed = _to_owners(plan, summed.reshape(n, c, -1)).reshape(n * c, -1)
+    return ids, summed
