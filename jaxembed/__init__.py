@@ -22,6 +22,9 @@ _LAZY = {
     "embedding_bag": "jaxembed.kernels.bag",
     "plan_embedding_bag": "jaxembed.plan",
     "optim": "jaxembed.optim",
+    "LookupStats": "jaxembed.kernels.lookup",
+    "to_mod_order": "jaxembed.rowsharding",
+    "from_mod_order": "jaxembed.rowsharding",
     "Ragged": "jaxembed.ragged",
     "plan_embedding": "jaxembed.plan",
     "EmbeddingPlan": "jaxembed.plan",
@@ -31,15 +34,18 @@ _LAZY = {
 
 __all__ = [
     "EmbeddingPlan",
+    "LookupStats",
     "Ragged",
     "__version__",
     "check_ids",
     "embedding",
     "embedding_bag",
+    "from_mod_order",
     "optim",
     "plan_cross_entropy",
     "plan_embedding",
     "plan_embedding_bag",
+    "to_mod_order",
     "vocab_parallel_cross_entropy",
 ]
 

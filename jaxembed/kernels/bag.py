@@ -263,10 +263,13 @@ def _rows_exchange(plan: EmbeddingPlan, bags: Bags, out_grad, winners):
     return Bags(**arrays), out_grad, winners
 
 
-def exchanged_slot_grads(plan: EmbeddingPlan, bags: Bags, out_grad, winners, consume):
+def exchanged_slot_grads(plan: EmbeddingPlan, bags: Bags, out_grad, winners, consume,
+                         overflow=None):  # fmt: skip
     """out_grad into the body's layout, the exchange, then each slot's gradient handed to
     `consume(local, here, grads)` (a scatter-add, or an optimizer's update), whose result
-    is returned. Under the routed exchange `consume` runs in both branches of its `cond`."""
+    is returned with the routed exchange's overflow flag, `(result, overflow)`. Under the
+    routed exchange `consume` runs in both branches of its `cond`, chosen by `overflow` (the
+    forward's flag; computed here when None)."""
     if plan.exchange == "routed":
         out_grad = apply_moves(out_grad, plan.grad_moves)
         s = _slots(plan, bags, my_bags_only=True, owned_only=False)
@@ -284,25 +287,26 @@ def exchanged_slot_grads(plan: EmbeddingPlan, bags: Bags, out_grad, winners, con
             return consume(*bag_slot_grads(plan, whole, gather(out_grad, axes, dim), None,
                                            my_bags_only=True))  # fmt: skip
 
-        overflow = routed_ops.overflowed(buckets, plan.mesh_names)
-        return jax.lax.cond(overflow, fallback, routed, None)
+        if overflow is None:
+            overflow = routed_ops.overflowed(buckets, plan.mesh_names).astype(jnp.int32)
+        return jax.lax.cond(overflow > 0, fallback, routed, None), overflow
     out_grad = out_grad_to_body(plan, out_grad)
     if plan.exchange == "rows":
         bags, out_grad, winners = _rows_exchange(plan, bags, out_grad, winners)
-    return consume(
-        *bag_slot_grads(plan, bags, out_grad, winners, my_bags_only=plan.exchange != "rows")
-    )
+    mine = plan.exchange != "rows"
+    result = consume(*bag_slot_grads(plan, bags, out_grad, winners, my_bags_only=mine))
+    return result, jnp.zeros((), jnp.int32)
 
 
 def _backward_body(plan: EmbeddingPlan, *arrays):
-    *residuals, out_grad = arrays
+    *residuals, overflow, out_grad = arrays
     bags = _unpack(plan, residuals)
     winners = residuals[-1] if plan.bag.combiner == "max" else None
 
     def scatter(local, here, grads):
         return local_ops.scatter_add(plan.table_shard_shape, local, here, grads)
 
-    weight_grad = exchanged_slot_grads(plan, bags, out_grad, winners, scatter)
+    weight_grad, _ = exchanged_slot_grads(plan, bags, out_grad, winners, scatter, overflow)
     return finish_gradient(plan, weight_grad)  # f[V/R, H/K]
 
 
@@ -330,14 +334,14 @@ def _bag(plan: EmbeddingPlan, mesh: Any, operands: tuple, table: jax.Array):
 
 def _bag_fwd(plan, mesh, operands, table):
     out, residuals, overflow = _forward(plan, mesh, operands, table)
-    return (out, overflow), residuals
+    return (out, overflow), (*residuals, overflow)
 
 
 def _bag_bwd(plan, mesh, residuals, cotangents):
     out_grad, _ = cotangents
     ct_spec = cotangent_spec(plan)
     out_grad = move(out_grad, mesh, ct_spec)
-    in_specs = (*residual_specs(plan), ct_spec)
+    in_specs = (*residual_specs(plan), P(), ct_spec)
     bwd = shard_map(_backward_body, plan, mesh, in_specs, plan.weight_spec)
     zeros = tuple(None for _ in residuals[: len(plan.operands)])
     return zeros, bwd(*residuals, out_grad)

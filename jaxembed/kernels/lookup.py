@@ -124,8 +124,9 @@ def _scatter_gradient(plan, ids, out_grad):
     return local_ops.scatter_add(plan.table_shard_shape, local, valid, out_grad)
 
 
-def _backward_body(plan: EmbeddingPlan, ids: jax.Array, out_grad: jax.Array) -> jax.Array:
-    # ids: i32[*batch / ids_spec]   out_grad: f[*batch / out_spec, H']
+def _backward_body(plan: EmbeddingPlan, ids, overflow, out_grad: jax.Array) -> jax.Array:
+    # ids: i32[*batch / ids_spec]   overflow: i32[], the forward's
+    # out_grad: f[*batch / out_spec, H']
     if plan.exchange == "routed":
         out_grad = apply_moves(out_grad, plan.grad_moves)  # f[*batch / ids_spec, H/K]
         flat = ids.reshape(-1)
@@ -142,8 +143,7 @@ def _backward_body(plan: EmbeddingPlan, ids: jax.Array, out_grad: jax.Array) -> 
             axes, dim = plan.routed.axes, plan.routed.dim
             return _scatter_gradient(plan, gather(ids, axes, dim), gather(out_grad, axes, dim))
 
-        overflow = routed_ops.overflowed(buckets, plan.mesh_names)
-        weight_grad = jax.lax.cond(overflow, fallback, routed, None)
+        weight_grad = jax.lax.cond(overflow > 0, fallback, routed, None)
         return finish_gradient(plan, weight_grad)
     out_grad = out_grad_to_body(plan, out_grad)  # f[*batch / ids_spec, H/K], replicated over R
     if plan.exchange == "rows":
@@ -169,15 +169,16 @@ def _lookup(plan: EmbeddingPlan, mesh: Any, x: jax.Array, table: jax.Array):
 
 def _lookup_fwd(plan, mesh, x, table):
     out, ids, overflow = _forward(plan, mesh, x, table)
-    return (out, overflow), ids
+    return (out, overflow), (ids, overflow)
 
 
-def _lookup_bwd(plan, mesh, ids, cotangents):
-    out_grad, _ = cotangents
+def _lookup_bwd(plan, mesh, residuals, cotangents):
+    (ids, overflow), (out_grad, _) = residuals, cotangents
     ct_spec = cotangent_spec(plan)
     out_grad = move(out_grad, mesh, ct_spec)  # a no-op: it arrives in the output's layout
-    bwd = shard_map(_backward_body, plan, mesh, (plan.ids_spec, ct_spec), plan.weight_spec)
-    return None, bwd(ids, out_grad)
+    in_specs = (plan.ids_spec, P(), ct_spec)
+    bwd = shard_map(_backward_body, plan, mesh, in_specs, plan.weight_spec)
+    return None, bwd(ids, overflow, out_grad)
 
 
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)

@@ -103,7 +103,13 @@ def bucketize(plan: EmbeddingPlan, ids: jax.Array, valid: jax.Array) -> Buckets:
 
 def overflowed(buckets: Buckets, mesh_axes: tuple[str, ...]) -> jax.Array:
     """Whether any device's bucket overflowed: the same answer on every device."""
-    return jax.lax.psum(buckets.overflow.astype(jnp.int32), mesh_axes) > 0
+    flag = buckets.overflow.astype(jnp.int32)
+    axis_type = getattr(jax.typeof(flag), "manual_axis_type", None)
+    varying = frozenset(axis_type.varying) if axis_type is not None else frozenset()
+    missing = tuple(a for a in mesh_axes if a not in varying)
+    if missing:  # a psum over every axis needs a value typed as varying over every axis
+        flag = jax.lax.pcast(flag, missing, to="varying")
+    return jax.lax.psum(flag, mesh_axes) > 0
 
 
 def _to_owners(plan: EmbeddingPlan, x: jax.Array) -> jax.Array:

@@ -14,6 +14,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxembed.kernels import local as local_ops
 from jaxembed.kernels import routed as routed_ops
@@ -47,16 +48,18 @@ def _plain_update(plan: EmbeddingPlan, given, out_grad, consume):
             return consume(*local_ops.local_rows(plan, whole), gather(out_grad, axes, dim))
 
         overflow = routed_ops.overflowed(buckets, plan.mesh_names)
-        return jax.lax.cond(overflow, fallback, routed, None)
+        return jax.lax.cond(overflow, fallback, routed, None), overflow.astype(jnp.int32)
     out_grad = out_grad_to_body(plan, out_grad)  # f[*batch / ids_spec, H/K]
     if plan.exchange == "rows":
         for dim, axes in plan.batch_gathers:
             ids = gather(ids, axes, dim)
             out_grad = gather(out_grad, axes, dim)
-    return consume(*local_ops.local_rows(plan, ids), out_grad)
+    return consume(*local_ops.local_rows(plan, ids), out_grad), jnp.zeros((), jnp.int32)
 
 
 def _update_body(plan: EmbeddingPlan, formula: Any, num_slots: int, *arrays):
+    """`((table, slots), overflow)`: the updated shard and state, and whether the routed
+    exchange fell back to the gather exchange in this step."""
     # table f[V/R, H/K], slots f32[V/R(, H/K)]..., count i32[], operands as given, out_grad
     table, *rest = arrays
     slots, (count, *given, out_grad) = tuple(rest[:num_slots]), rest[num_slots:]
@@ -109,7 +112,8 @@ def sparse_update(
       ct_spec: out_grad's layout.
 
     Returns:
-      The new table and slots, in their own layouts.
+      `((table, slots), overflow)`: the new table and slots in their own layouts, and an
+      int32[] that is 1 when the routed exchange fell back this step.
     """
     from jax.sharding import PartitionSpec as P
 
@@ -121,7 +125,7 @@ def sparse_update(
         functools.partial(_update_body, plan, formula, len(slots)),
         mesh=mesh,
         in_specs=in_specs,
-        out_specs=(plan.weight_spec, slot_specs),
+        out_specs=((plan.weight_spec, slot_specs), P()),
         check_vma=True,
     )
     return body(table, *slots, count, *operands, out_grad)

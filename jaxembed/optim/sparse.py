@@ -38,10 +38,13 @@ class RowSparseState(NamedTuple):
       count: int32[], the updates applied so far (schedules and Adam's bias correction).
       slots: the state arrays by name (`accumulator`, `mu`, `nu`, `linear`), f32 `[V, H]`
         or, for one-per-row slots, `[V]`.
+      routed_fallbacks: int32[], the steps whose routed exchange overflowed its capacity
+        and ran the exact gather exchange instead.
     """
 
     count: jax.Array
     slots: dict[str, jax.Array]
+    routed_fallbacks: jax.Array
 
 
 _BAG_ARGS = ("lengths", "offsets", "per_id_weights", "combiner", "include_last_offset")
@@ -84,9 +87,9 @@ class RowSparseOptimizer:
         mesh = resolve_mesh(mesh, table)
         arrays = {s.name: jnp.full(s.shape(num_rows, hidden), s.init, jnp.float32)
                   for s in self.formula.slots}  # fmt: skip
-        count = jnp.zeros((), jnp.int32)
-        if mesh is None:
-            return RowSparseState(count, arrays)
+        count, fallbacks = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+        if mesh is None:  # two buffers: a donated state must not hold one twice
+            return RowSparseState(count, arrays, fallbacks)
         spec = weight_spec if weight_spec is not None else stated_spec(table, mesh)
         if spec is None:
             if isinstance(table, jax.core.Tracer):
@@ -99,7 +102,7 @@ class RowSparseOptimizer:
         placed = {}
         for s in self.formula.slots:
             placed[s.name] = _place(arrays[s.name], mesh, P(spec[0]) if s.per_row else spec)
-        return RowSparseState(_place(count, mesh, P()), placed)
+        return RowSparseState(_place(count, mesh, P()), placed, _place(fallbacks, mesh, P()))
 
     def update(
         self,
@@ -117,6 +120,8 @@ class RowSparseOptimizer:
         exchange: str = "auto",
         gradient_exchange: str | None = None,
         row_sharding: str = "block",
+        capacity: int | None = None,
+        capacity_factor: float | None = None,
         lengths: jax.Array | None = None,
         offsets: jax.Array | None = None,
         per_id_weights: jax.Array | None = None,
@@ -136,8 +141,8 @@ class RowSparseOptimizer:
           x: the ids the lookup read (for bags: any `jaxembed.embedding_bag` input form).
           out_grad: d loss / d output of the lookup, in its output's layout (for bags: the
             pooled `[B, H]` gradient).
-          padding_idx, vocab_size, mesh, x_spec, weight_spec, out_spec, row_sharding: the
-            lookup's arguments (see `jaxembed.embedding`).
+          padding_idx, vocab_size, mesh, x_spec, weight_spec, out_spec, row_sharding,
+            capacity, capacity_factor: the lookup's arguments (see `jaxembed.embedding`).
           exchange: `"auto"`, `"rows"` or `"routed"`; `"dense"` is refused (it all-reduces a
             table-sized buffer, which this update exists to avoid).
           gradient_exchange: the old name of `exchange`.
@@ -167,16 +172,17 @@ class RowSparseOptimizer:
         mesh = resolve_mesh(mesh, table, ids)
         common = dict(
             padding_idx=padding_idx, vocab_size=vocab_size, dtype=table.dtype,
-            ids_dtype=ids.dtype, row_sharding=row_sharding, update=True,
+            ids_dtype=ids.dtype, row_sharding=row_sharding, update=True, capacity=capacity,
+            capacity_factor=capacity_factor,
         )  # fmt: skip
         if mesh is None or (mesh.size == 1 and x_spec is None and weight_spec is None):
             plan = self._plan(AbstractMesh((1,), ("_",)), ids, table, bags, combiner, P(), P(),
                               None, "auto", common)  # fmt: skip
             slots = tuple(state.slots[s.name] for s in self.formula.slots)
-            new_table, new_slots = _update_body(
+            (new_table, new_slots), overflow = _update_body(
                 plan, self.formula, len(slots), table, *slots, state.count, *operands, out_grad
             )
-            return new_table, self._state(state, new_slots)
+            return new_table, self._state(state, new_slots, overflow)
         weight_spec, x_spec = resolve_layouts(
             ids, table, mesh, x_spec=x_spec, weight_spec=weight_spec, function="opt.update",
         )  # fmt: skip
@@ -194,10 +200,10 @@ class RowSparseOptimizer:
         ct_spec = cotangent_spec(plan)
         out_grad = move(out_grad, mesh, ct_spec)
         slots = tuple(state.slots[s.name] for s in self.formula.slots)
-        new_table, new_slots = sparse_update(
+        (new_table, new_slots), overflow = sparse_update(
             plan, self.formula, mesh, table, slots, state.count, operands, out_grad, ct_spec
         )
-        return new_table, self._state(state, new_slots)
+        return new_table, self._state(state, new_slots, overflow)
 
     def _plan(self, mesh, ids, table, bags, combiner, x_spec, weight_spec, out_spec, exchange,
               common) -> EmbeddingPlan:  # fmt: skip
@@ -217,9 +223,12 @@ class RowSparseOptimizer:
             weight_spec=weight_spec, out_spec=out_spec, exchange=exchange, **common,
         )  # fmt: skip
 
-    def _state(self, state: RowSparseState, slots) -> RowSparseState:
+    def _state(self, state: RowSparseState, slots, overflow) -> RowSparseState:
         names = [s.name for s in self.formula.slots]
-        return RowSparseState(state.count + 1, dict(zip(names, slots, strict=True)))
+        return RowSparseState(
+            state.count + 1, dict(zip(names, slots, strict=True)),
+            state.routed_fallbacks + overflow,
+        )  # fmt: skip
 
     def plan(self, *args, **kwargs) -> EmbeddingPlan:
         """`jaxembed.plan_embedding(..., update=True)` (or `plan_embedding_bag` when `num_bags`

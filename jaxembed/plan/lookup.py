@@ -420,7 +420,7 @@ def _plan_cached(
     routed, routed_option, routed_operands = _routed_option(
         scatters=scatters, batch_axes=batch_axes, row_axes=row_axes, operands=operands,
         ids_entries=ids_entries, sizes=sizes, dtype=dtype, out_kept_local=out_kept_local,
-        names=names, bag=bag, capacity=capacity, capacity_factor=capacity_factor,
+        names=names, bag=bag, capacity=capacity, capacity_factor=capacity_factor, update=update,
         out_moves_collectives=[c for c in forward if c.operand == "out" and
                                c.op == "all_gather"], grad_collectives=grad_collectives,
         backend=backend, unreduced=unreduced,
@@ -496,7 +496,7 @@ def _plan_cached(
 
 
 def _routed_option(*, scatters, batch_axes, row_axes, operands, ids_entries, sizes, dtype,
-                   out_kept_local, names, bag, capacity, capacity_factor,
+                   out_kept_local, names, bag, capacity, capacity_factor, update,
                    out_moves_collectives, grad_collectives, backend, unreduced):  # fmt: skip
     """The routed exchange as a candidate: `(RoutedPlan, (candidate, [], buffers), operands)`,
     or `(None, reason, None)` where it does not apply."""
@@ -509,7 +509,7 @@ def _routed_option(*, scatters, batch_axes, row_axes, operands, ids_entries, siz
         operands=[(op.name, op.shape, op.dtype, spec_entries(op.given)) for op in operands],
         ids_entries=ids_entries, op_dims=op_dims, sizes=sizes, dtype=dtype,
         hidden_local=out_kept_local[-1], out_kept_local=out_kept_local, mesh_names=names,
-        capacity=capacity, capacity_factor=capacity_factor,
+        capacity=capacity, capacity_factor=capacity_factor, update=update,
     )  # fmt: skip
     if routed is None:
         return None, reason, None

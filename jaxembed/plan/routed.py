@@ -95,6 +95,7 @@ def plan_routed(
     mesh_names,
     capacity: int | None,
     capacity_factor: float | None,
+    update: bool = False,
 ) -> tuple[RoutedPlan | None, str, list]:
     """The routed variant of a plan, or None with the reason it does not apply.
 
@@ -111,6 +112,8 @@ def plan_routed(
       out_kept_local: the gather plan's per-device output block before its scatter.
       mesh_names: every mesh axis, for the overflow flag's all-reduce.
       capacity, capacity_factor: C, or its factor over the uniform expectation.
+      update: a row-sparse update, which computes its own overflow flag (a lookup's
+        backward reuses the forward's).
 
     Returns:
       `(routed plan or None, reason, routed ids entries per operand)`.
@@ -159,7 +162,7 @@ def plan_routed(
         )  # fmt: skip
     forward.append(a2a("forward", "rows", (n * c, hidden_local), dtype, "rows back to the ids"))
     backward = [
-        flag("backward"),
+        *([flag("backward")] if update else []),
         a2a("backward", "ids", (n * c,), "int32", "send each distinct id to its owner"),
         a2a(
             "backward", "grads", (n * c, hidden_local), "float32",
