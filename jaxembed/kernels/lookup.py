@@ -422,7 +422,8 @@ def embedding(
       row_sharding: `"block"` (the table's rows in contiguous blocks per shard) or `"mod"`
         (id i on shard i mod n at local row i div n; see `jaxembed.to_mod_order`).
       capacity, capacity_factor: the routed exchange's C (distinct ids per device and
-        owner per step), or its factor over the uniform expectation (default 2).
+        owner per step), or its factor over the uniform expectation μ = M / n (default:
+        μ + 4√μ + 1, see `jaxembed.plan.routed.capacity_for`).
       return_stats: also return a `LookupStats` (whether the routed exchange fell back).
 
     Returns:

@@ -119,8 +119,8 @@ def plan_embedding(
       update: plan a row-sparse update (`jaxembed.optim`) instead of a gradient: the
         exchange is never `"dense"` (no table-shaped buffer is ever reduced).
       capacity: the routed exchange's C, the distinct ids one device sends one owner per
-        step; default `capacity_factor` (2) times the uniform expectation M / n.
-      capacity_factor: C over the uniform expectation, when `capacity` is None.
+        step; default μ + 4√μ + 1 for the uniform expectation μ = M / n.
+      capacity_factor: C over μ instead, when `capacity` is None.
 
     Returns:
       An `EmbeddingPlan`.
