@@ -22,6 +22,8 @@ _LAZY = {
     "embedding_bag": "jaxembed.kernels.bag",
     "plan_embedding_bag": "jaxembed.plan",
     "optim": "jaxembed.optim",
+    "TableConfig": "jaxembed.collection",
+    "FeatureConfig": "jaxembed.collection",
     "LookupStats": "jaxembed.kernels.lookup",
     "to_mod_order": "jaxembed.rowsharding",
     "from_mod_order": "jaxembed.rowsharding",
@@ -34,8 +36,10 @@ _LAZY = {
 
 __all__ = [
     "EmbeddingPlan",
+    "FeatureConfig",
     "LookupStats",
     "Ragged",
+    "TableConfig",
     "__version__",
     "check_ids",
     "embedding",

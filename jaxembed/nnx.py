@@ -35,7 +35,7 @@ from jaxembed.kernels.arrays import is_explicit
 from jaxembed.kernels.lookup import lookup
 from jaxembed.losses import Reduction, vocab_parallel_cross_entropy
 
-__all__ = ["Embed"]
+__all__ = ["Embed", "EmbeddingBagCollection", "Table"]  # noqa: F822 (the collection: lazy)
 
 
 # --- layouts from Flax metadata (shared with jaxembed.flax) --------------------------------
@@ -155,6 +155,13 @@ def _metadata_mesh(metadata: Mapping[str, Any]) -> Any:
 
 # --- the module --------------------------------------------------------------------------
 
+
+class Table(nnx.Param):
+    """An embedding table parameter (an `nnx.Param`, so optax, `nnx.Optimizer` and orbax treat
+    it as any parameter): jaxembed's row-sparse optimizers update it, and
+    `jaxembed.nnx.value_and_grad` leaves it out of the dense gradients."""
+
+
 IDS_ADVICE = (
     "pass inputs_sharding=PartitionSpec(...) when calling the module, or run it inside "
     "flax.linen.logical_axis_rules with a 'batch' axis"
@@ -273,7 +280,7 @@ class Embed(nnx.Module):
             value = dataclasses.replace(value, raw_value=pad_rows(value.raw_value, rows))
         else:
             value = pad_rows(value, rows)
-        self.embedding = nnx.Param(value, **embedding_metadata)
+        self.embedding = Table(value, **embedding_metadata)
 
         self.num_embeddings = num_embeddings
         self.features = features
@@ -385,3 +392,12 @@ class Embed(nnx.Module):
             label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index,
             vocab_chunk_size=vocab_chunk_size, reduction=reduction,
         )  # fmt: skip
+
+
+def __getattr__(name):
+    # The collection module imports this one's helpers: loaded on first use.
+    if name == "EmbeddingBagCollection":
+        from jaxembed.collection import nnx as collection_nnx
+
+        return getattr(collection_nnx, name)
+    raise AttributeError(f"module 'jaxembed.nnx' has no attribute {name!r}")

@@ -432,6 +432,7 @@ def embedding_bag(
     capacity: int | None = None,
     capacity_factor: float | None = None,
     return_stats: bool = False,
+    check_ids: bool = True,
 ) -> Any:
     """Pools `weight`'s rows over bags of ids, sharded, with PyTorch's `embedding_bag` semantics.
 
@@ -459,6 +460,8 @@ def embedding_bag(
         earliest slot giving the max). An empty bag gives zeros.
       padding_idx, vocab_size, mesh, weight_spec, out_spec, exchange, row_sharding, capacity,
         capacity_factor, return_stats: as in `jaxembed.embedding`.
+      check_ids: raise for concrete ids outside the vocabulary (True); False lets them read
+        nothing, as under `jit` (for callers that mark empty slots with -1 on purpose).
       x_spec: the ids' layout (the lengths and weights follow the same lead layout unless
         their arrays state their own); default read from the arrays, or assumed as in
         `embedding`.
@@ -495,7 +498,8 @@ def embedding_bag(
     plan_vocab = weight.shape[0] if vocab_size is None else vocab_size
     if runs_on_one_device(mesh, x_spec, weight_spec, out_spec):
         validate_scalars(plan_vocab, padding_idx, weight.shape[0])
-        _check_bag_ids(bags, plan_vocab)
+        if check_ids:
+            _check_bag_ids(bags, plan_vocab)
         out = _dense_bag(bags, combiner, weight, plan_vocab, padding_idx)
         return _with_stats(out, return_stats)
     weight_spec, x_spec = resolve_layouts(
@@ -517,7 +521,8 @@ def embedding_bag(
         exchange=exchange, row_sharding=row_sharding, capacity=capacity,
         capacity_factor=capacity_factor,
     )  # fmt: skip
-    _check_bag_ids(bags, plan.vocab_size)
+    if check_ids:
+        _check_bag_ids(bags, plan.vocab_size)
     operands = tuple(
         move(a, mesh, op.given) if not isinstance(a, jax.core.Tracer) else a
         for a, op in zip(bags.operands(), plan.operands, strict=True)

@@ -1,0 +1,158 @@
+"""`TableConfig` and `FeatureConfig`: what a collection of embedding tables holds and reads.
+
+A recommender model reads many sparse features (user id, the last items clicked, ...), each
+a bag of ids per example, from tables of very different sizes; several features may share a
+table. A table's **placement** says where its rows live on the mesh:
+
+| placement | over `axes` (default: the whole mesh) |
+|---|---|
+| `"replicated"` | whole on every device (data parallel) |
+| `"table"` | whole on one device; different tables on different devices |
+| `"rows"` | rows split over the devices (`row_sharding` block or mod) |
+| `"columns"` | the hidden axis split over the devices |
+| `"table_rows"` | rows over `within`, tables on positions of `across`: `axes=(across, within)` |
+| `"auto"` | chosen by `jaxembed.plan_collection` |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxembed.ragged import COMBINERS
+
+__all__ = ["PLACEMENTS", "FeatureConfig", "TableConfig", "check_configs"]
+
+PLACEMENTS = ("replicated", "table", "rows", "columns", "table_rows", "auto")
+
+
+def _axes(axes: Any) -> tuple[str, ...] | None:
+    if axes is None:
+        return None
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class TableConfig:
+    """One embedding table of a collection.
+
+    Attributes:
+      name: the table's name (unique in the collection).
+      vocab_size: its rows (ids in `[0, vocab_size)`).
+      dim: the embedding size.
+      placement: one of `PLACEMENTS` (see the module's table); `"auto"` lets the planner
+        (`jaxembed.plan_collection`) choose.
+      axes: the mesh axes the placement uses: default the whole mesh (for `"table_rows"`,
+        `(across, within)`: default the mesh's first two axes).
+      row_sharding: `"block"` or `"mod"` for split rows (see `jaxembed.rowsharding`).
+      initializer: a Flax initializer `(key, shape, dtype) -> array` (default: Flax's
+        embedding initializer, as `nnx.Embed`).
+      dtype: the parameter's dtype.
+
+    Examples:
+      >>> TableConfig("item", vocab_size=1_000_000, dim=64, placement="rows")
+      TableConfig(name='item', vocab_size=1000000, dim=64, placement='rows', ...)
+    """
+
+    name: str
+    vocab_size: int
+    dim: int
+    placement: str = "auto"
+    axes: Any = None
+    row_sharding: str = "block"
+    initializer: Callable[..., Any] | None = dataclasses.field(default=None, compare=False)
+    dtype: Any = np.float32
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"a table needs a non-empty str name, got {self.name!r}")
+        for what, value in (("vocab_size", self.vocab_size), ("dim", self.dim)):
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+                raise ValueError(
+                    f"table {self.name!r}: {what} must be a positive int, got {value!r}"
+                )
+        if self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"table {self.name!r}: placement must be one of {PLACEMENTS}, got "
+                f"{self.placement!r}"
+            )
+        if self.row_sharding not in ("block", "mod"):
+            raise ValueError(
+                f"table {self.name!r}: row_sharding must be 'block' or 'mod', got "
+                f"{self.row_sharding!r}"
+            )
+        object.__setattr__(self, "axes", _axes(self.axes))
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureConfig:
+    """One sparse feature: the table it reads and how its bag is pooled.
+
+    Attributes:
+      name: the feature's name: the key of the batch and of the outputs.
+      table: the name of the table it reads.
+      combiner: `"sum"`, `"mean"`, `"sqrtn"` or `"max"` pool a bag into `[B, dim]`; None
+        keeps the ids' rows unpooled, `[B, L, dim]` (a sequence feature, as TorchRec's
+        `EmbeddingCollection`).
+      max_ids: the bag capacity L this feature's dense input `[B, L]` has (for the planner's
+        estimates; inputs carry their own shapes). Default 1.
+
+    Examples:
+      >>> FeatureConfig("clicked_items", table="item", combiner="mean", max_ids=50)
+      FeatureConfig(name='clicked_items', table='item', combiner='mean', max_ids=50)
+    """
+
+    name: str
+    table: str
+    combiner: str | None = "sum"
+    max_ids: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"a feature needs a non-empty str name, got {self.name!r}")
+        if self.combiner is not None and self.combiner not in COMBINERS:
+            raise ValueError(
+                f"feature {self.name!r}: combiner must be one of {COMBINERS} or None "
+                f"(unpooled), got {self.combiner!r}"
+            )
+        if self.max_ids is not None and (
+            isinstance(self.max_ids, bool) or not isinstance(self.max_ids, int) or self.max_ids < 1
+        ):
+            raise ValueError(
+                f"feature {self.name!r}: max_ids must be a positive int, got {self.max_ids!r}"
+            )
+
+    @property
+    def pooled(self) -> bool:
+        return self.combiner is not None
+
+
+def check_configs(
+    tables: Sequence[TableConfig], features: Sequence[FeatureConfig]
+) -> dict[str, TableConfig]:
+    """Raises for duplicate names and features reading unknown tables; returns tables by name."""
+    by_name: dict[str, TableConfig] = {}
+    for t in tables:
+        if not isinstance(t, TableConfig):
+            raise TypeError(f"tables must be TableConfig, got {t!r}")
+        if t.name in by_name:
+            raise ValueError(f"two tables are named {t.name!r}: table names must be unique")
+        by_name[t.name] = t
+    seen = set()
+    for f in features:
+        if not isinstance(f, FeatureConfig):
+            raise TypeError(f"features must be FeatureConfig, got {f!r}")
+        if f.name in seen:
+            raise ValueError(f"two features are named {f.name!r}: feature names must be unique")
+        seen.add(f.name)
+        if f.table not in by_name:
+            raise ValueError(
+                f"feature {f.name!r} reads table {f.table!r}, which is not in the collection "
+                f"(tables: {sorted(by_name)})"
+            )
+    if not features:
+        raise ValueError("a collection needs at least one feature")
+    return by_name

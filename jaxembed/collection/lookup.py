@@ -1,0 +1,291 @@
+"""A collection's lookup and row-sparse update: one bag lookup per stack and input shape.
+
+Per stack, the features whose inputs have the same form are one call of
+`jaxembed.embedding_bag` in its flat form:
+
+* dense inputs `ids [B, L_f]` (negative ids: empty slots), pooled or unpooled: the ids of
+  all of them side by side, `[B, ΣL_f]` with `lengths [B, F]` — a pooled feature is one bag
+  of L_f slots per example, an unpooled one L_f bags of one slot;
+* `Ragged` inputs with the same lead shape: their values side by side, each followed by a
+  "gap" bag over its unused slots (ids -1), so that each feature's bags read its own block.
+
+Each slot carries its feature's combiner as a per-id factor (`jaxembed.ragged.bag_scales`:
+w, w/Σw or w/√Σw²), so sum, mean and sqrtn features pool together as one weighted sum;
+max-pooled features make their own call. Ids are first mapped to their stack rows
+(`TablePlacement.stack_ids`); ids outside a table's vocabulary read nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxembed import ragged
+from jaxembed.collection.layout import CollectionLayout, Stack
+from jaxembed.kernels.arrays import warn_once
+from jaxembed.kernels.bag import embedding_bag
+
+__all__ = ["Group", "collection_lookup", "collection_update", "groups_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One call: features of one stack whose inputs share a form (static description)."""
+
+    stack: int
+    kind: str  # "dense" (ids [B, L]) or "ragged" (values [*lead, N], lengths [*lead, B])
+    combiner: str  # "sum" (weighted: sum, mean, sqrtn, unpooled) or "max"
+    features: tuple[str, ...]
+
+
+def _as_input(feature: str, value: Any) -> tuple[str, Any, Any, Any]:
+    """(kind, ids or values, lengths or None, weights or None) of one feature's input."""
+    if isinstance(value, ragged.Ragged):
+        return "ragged", value.values, value.lengths, value.weights
+    if isinstance(value, tuple) and len(value) == 2:
+        ids, weights = value
+        return "dense", jnp.asarray(ids), None, jnp.asarray(weights, jnp.float32)
+    ids = value if isinstance(value, jax.Array | jax.core.Tracer) else jnp.asarray(value)
+    if ids.ndim == 1:
+        ids = ids[:, None]  # one id per example
+    if ids.ndim != 2:
+        raise ValueError(
+            f"feature {feature!r}: dense ids must be [B] or [B, L], got shape {ids.shape}; "
+            "pass a jaxembed.Ragged for bags of varying length"
+        )
+    return "dense", ids, None, None
+
+
+def _check_ids(layout: CollectionLayout, feature: str, value: Any) -> None:
+    """Concrete ids outside their table's vocabulary raise (negative dense ids are empty
+    slots); under `jit` such ids read nothing and get no gradient."""
+    kind, values, lengths, _ = _as_input(feature, value)
+    if isinstance(values, jax.core.Tracer) or isinstance(lengths, jax.core.Tracer):
+        return
+    if isinstance(values, jax.Array) and not values.is_fully_addressable:
+        return
+    f = {f.name: f for f in layout.features}[feature]
+    vocab = layout.table(f.table).vocab_size
+    ids = np.asarray(values)
+    if kind == "dense":
+        bad = ids >= vocab
+    else:
+        n = ids.shape[-1]
+        total = np.minimum(np.maximum(np.asarray(lengths), 0).sum(-1, keepdims=True), n)
+        bad = ((ids < 0) | (ids >= vocab)) & (np.arange(n) < total)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"feature {feature!r}: id {int(ids[where])} at {where} is out of range for table "
+            f"{f.table!r} of {vocab} rows (valid ids: 0 to {vocab - 1}); under jax.jit such "
+            "ids read nothing and get no gradient"
+        )
+
+
+def groups_of(layout: CollectionLayout, batch: Mapping[str, Any]) -> list[Group]:
+    """The calls a batch makes, in a fixed order (stack, form, combiner, features)."""
+    missing = [f.name for f in layout.features if f.name not in batch]
+    if missing:
+        raise ValueError(f"the batch has no input for features {missing} (it has {sorted(batch)})")
+    extra = sorted(set(batch) - {f.name for f in layout.features})
+    if extra:
+        raise ValueError(f"the batch has inputs {extra} for no feature of the collection")
+    keys: dict[tuple, list[str]] = {}
+    for f in layout.features:
+        kind, values, _, _ = _as_input(f.name, batch[f.name])
+        if kind == "ragged" and not f.pooled:
+            raise ValueError(
+                f"feature {f.name!r} is unpooled (combiner=None) but its input is a Ragged: "
+                "give it dense ids [B, L]"
+            )
+        lead = tuple(values.shape[:-1])
+        combiner = "max" if f.combiner == "max" else "sum"
+        key = (layout.placement(f.table).stack, kind, lead, combiner)
+        keys.setdefault(key, []).append(f.name)
+    return [Group(k[0], k[1], k[3], tuple(v)) for k, v in keys.items()]
+
+
+def _operands(layout: CollectionLayout, group: Group, batch: Mapping[str, Any]):
+    """The flat-form operands of one call: ids, lengths, per-slot factors (or None), and how
+    to split its output `[*lead, B_total, dim]` back into features."""
+    stack = layout.stacks[group.stack]
+    features = {f.name: f for f in layout.features}
+    ids, lengths, weights, pieces = [], [], [], []
+    bag = 0
+    for name in group.features:
+        f = features[name]
+        _, values, lens, w = _as_input(name, batch[name])
+        gid = layout.placement(f.table).stack_ids(values.astype(jnp.int32), stack.local_rows)
+        valid = gid >= 0
+        if group.kind == "dense":  # pooled: one bag of n slots; unpooled: n bags of one
+            n = values.shape[-1]
+            nbags = 1 if f.pooled else n
+            lens = jnp.full((*values.shape[:-1], nbags), n if f.pooled else 1, jnp.int32)
+            slot = _positions(values) if not f.pooled else jnp.zeros_like(values, jnp.int32)
+            segments = jnp.where(valid, slot, -1)
+        else:
+            n = values.shape[-1]
+            clamped = jnp.diff(
+                jnp.minimum(jnp.cumsum(jnp.maximum(lens, 0), axis=-1), n), axis=-1,
+                prepend=jnp.zeros_like(lens[..., :1]),
+            ).astype(jnp.int32)  # fmt: skip
+            total = jnp.sum(clamped, axis=-1, keepdims=True)
+            used = _positions(values) < total
+            gid = jnp.where(used, gid, -1)
+            valid = gid >= 0
+            segments = ragged.segments_from_lengths(clamped, n)
+            lens = jnp.concatenate([clamped, n - total], axis=-1)  # the gap bag last
+            nbags = clamped.shape[-1] + 1
+        if group.combiner == "sum":
+            scale = ragged.bag_scales(
+                valid, jnp.where(valid, segments, -1), w, nbags, f.combiner or "sum"
+            )
+            weights.append(scale)
+        ids.append(gid)
+        lengths.append(lens)
+        real = nbags - (1 if group.kind == "ragged" else 0)
+        pieces.append((name, bag, real, f.pooled))
+        bag += nbags
+    ids = jnp.concatenate(ids, axis=-1)
+    lengths = jnp.concatenate(lengths, axis=-1)
+    weights = jnp.concatenate(weights, axis=-1) if weights else None
+    return ids, lengths, weights, pieces
+
+
+def _positions(values: jax.Array) -> jax.Array:
+    """Each slot's index along the last axis, laid out as `values` (a constant `arange`
+    would be replicated, which an Explicit mesh does not mix with a split array)."""
+    return jnp.cumsum(jnp.ones_like(values, jnp.int32), axis=-1) - 1
+
+
+def _split(out: jax.Array, pieces, kind: str) -> dict[str, jax.Array]:
+    result = {}
+    for name, start, count, pooled in pieces:
+        block = out[..., start : start + count, :]  # [*lead, count, dim]
+        if kind == "dense" and pooled:
+            block = block[..., 0, :]  # [B, dim]
+        elif kind == "ragged":
+            block = block.reshape(-1, block.shape[-1])  # [*lead * B_f, dim]: the blocks in order
+        result[name] = block
+    return result
+
+
+def collection_lookup(
+    layout: CollectionLayout,
+    stacks: Mapping[int, jax.Array],
+    batch: Mapping[str, Any],
+    *,
+    mesh: Any = None,
+    x_spec: P | None = None,
+    exchange: str = "auto",
+    capacity_factor: float | None = None,
+) -> dict[str, jax.Array]:
+    """Every feature's output: pooled `[B, dim]` (a `Ragged` input: `[*lead·B, dim]`) or
+    unpooled `[B, L, dim]`.
+
+    Args:
+      layout: the collection's layout.
+      stacks: each stack's physical table, by stack index.
+      batch: `{feature: ids [B] | ids [B, L] | (ids, weights) | Ragged}`.
+      mesh: the mesh (default the stacks' own or `jax.set_mesh`'s).
+      x_spec: the dense ids' layout where it cannot be read (e.g. `P("data")`).
+      exchange, capacity_factor: as in `jaxembed.embedding_bag`, for every call.
+    """
+    outputs: dict[str, jax.Array] = {}
+    groups = groups_of(layout, batch)
+    for name, value in batch.items():
+        _check_ids(layout, name, value)
+    for group in groups:
+        stack = layout.stacks[group.stack]
+        ids, lengths, weights, pieces = _operands(layout, group, batch)
+        out = embedding_bag(
+            ids, stacks[group.stack], lengths=lengths, per_id_weights=weights,
+            combiner=group.combiner, vocab_size=stack.shape[0], mesh=mesh,
+            x_spec=_spec(x_spec, ids), weight_spec=stack.spec, exchange=exchange,
+            capacity_factor=capacity_factor, check_ids=False,
+        )  # fmt: skip
+        outputs.update(_split(out, pieces, group.kind))
+    return {f.name: outputs[f.name] for f in layout.features}
+
+
+def _spec(x_spec: P | None, ids: jax.Array) -> P | None:
+    if x_spec is None:
+        return None
+    parts = tuple(x_spec)[: ids.ndim - 1]
+    return P(*parts, *(None,) * (ids.ndim - len(parts)))
+
+
+def collection_update(
+    layout: CollectionLayout,
+    optimizer: Any,
+    stacks: Mapping[int, jax.Array],
+    states: Mapping[int, Any],
+    batch: Mapping[str, Any],
+    out_grads: Mapping[str, jax.Array],
+    *,
+    mesh: Any = None,
+    x_spec: P | None = None,
+    exchange: str = "auto",
+    capacity_factor: float | None = None,
+) -> tuple[dict[int, jax.Array], dict[int, Any]]:
+    """Row-sparse update of every stack from the outputs' gradients (`jaxembed.optim`).
+
+    Each stack's rows get one update per call that reads them (one per stack and input form;
+    usually one); a row that two calls of the same stack read in one step (a max-pooled
+    feature sharing a table with a summed one, or a dense and a `Ragged` input of one table)
+    gets one update per call, and a warning says so.
+
+    Args:
+      layout, batch, mesh, x_spec, exchange, capacity_factor: as `collection_lookup`.
+      optimizer: a `jaxembed.optim.RowSparseOptimizer`.
+      stacks, states: each stack's table and optimizer state, by stack index.
+      out_grads: d loss / d output, per feature, shaped as `collection_lookup`'s outputs.
+
+    Returns:
+      The new stacks and states, by stack index.
+    """
+    stacks, states = dict(stacks), dict(states)
+    groups = groups_of(layout, batch)
+    per_stack: dict[int, int] = {}
+    for g in groups:
+        per_stack[g.stack] = per_stack.get(g.stack, 0) + 1
+    for index, n in per_stack.items():
+        if n > 1:
+            warn_once(
+                "collection-groups",
+                f"the collection's stack {layout.stacks[index].name} is read by {n} calls in one "
+                "step (inputs of different forms, or max-pooled features beside summed ones): "
+                "a row that more than one of them reads gets one update per call",
+            )
+    for group in groups:
+        stack = layout.stacks[group.stack]
+        ids, lengths, weights, pieces = _operands(layout, group, batch)
+        out_grad = _join(group, pieces, out_grads, ids, stack)
+        stacks[group.stack], states[group.stack] = optimizer.update(
+            stacks[group.stack], states[group.stack], ids, out_grad, lengths=lengths,
+            per_id_weights=weights, combiner=group.combiner, vocab_size=stack.shape[0],
+            mesh=mesh, x_spec=_spec(x_spec, ids), weight_spec=stack.spec, exchange=exchange,
+            capacity_factor=capacity_factor,
+        )  # fmt: skip
+    return stacks, states
+
+
+def _join(group: Group, pieces, out_grads, ids, stack: Stack) -> jax.Array:
+    """The call's output gradient `[*lead, B_total, dim]` from the features' gradients."""
+    lead = ids.shape[:-1]
+    blocks = []
+    for name, _, count, pooled in pieces:
+        g = jnp.asarray(out_grads[name])
+        if group.kind == "dense":
+            g = g[..., None, :] if pooled else g
+        else:
+            g = g.reshape(*lead, count, stack.dim)
+            g = jnp.concatenate([g, jnp.zeros_like(g[..., :1, :])], axis=-2)
+        blocks.append(g)
+    return jnp.concatenate(blocks, axis=-2)

@@ -1,0 +1,210 @@
+"""`jaxembed.nnx.EmbeddingBagCollection`: a collection of embedding tables as a Flax NNX module.
+
+    tables = [jaxembed.TableConfig("item", vocab_size=1_000_000, dim=64, placement="rows"),
+              jaxembed.TableConfig("user", vocab_size=200_000, dim=64, placement="table")]
+    features = [jaxembed.FeatureConfig("clicked_items", table="item", combiner="mean"),
+                jaxembed.FeatureConfig("user_id", table="user")]
+    coll = jaxembed.nnx.EmbeddingBagCollection(tables, features, rngs=nnx.Rngs(0))
+    out = coll(batch)      # {feature: [B, dim]}; batch: {feature: ids [B, L] | Ragged}
+    x = coll.concat(out)   # [B, Σ dim] in feature order
+
+The parameters are the collection's stacks (`jaxembed.collection.layout`), one `Table` (an
+`nnx.Param`) each, laid out as their `out_sharding` metadata says, so `nnx.Optimizer`, optax
+and orbax handle them as any parameter. `tables()` and `load_tables()` convert to and from
+each table in id order (for checkpoints that restore onto another layout, or for inspection).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.nnx.nn.linear import default_embed_init
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxembed.collection.config import FeatureConfig, TableConfig
+from jaxembed.collection.layout import CollectionLayout, Stack, layout_collection
+from jaxembed.collection.lookup import collection_lookup, collection_update
+from jaxembed.kernels.arrays import is_explicit
+from jaxembed.nnx import Table
+
+__all__ = ["EmbeddingBagCollection", "build_stack", "concat_features", "unstack"]
+
+
+def build_stack(layout: CollectionLayout, stack: Stack, values: Mapping[str, jax.Array]):
+    """The physical stack holding `values[name]` (each `[V, dim]` in id order) in its rows."""
+    out = jnp.zeros(stack.shape, stack.dtype)
+    for name in stack.tables:
+        p = layout.placement(name)
+        rows = p.stack_ids(np.arange(p.vocab_size, dtype=np.int32), stack.local_rows)
+        out = out.at[rows].set(jnp.asarray(values[name], stack.dtype))
+    return out
+
+
+def unstack(layout: CollectionLayout, stacks: Mapping[int, jax.Array]) -> dict[str, jax.Array]:
+    """Each table in id order, `[V, dim]`, read out of the stacks (a gather: for export)."""
+    out = {}
+    for s in layout.stacks:
+        for name in s.tables:
+            p = layout.placement(name)
+            rows = p.stack_ids(np.arange(p.vocab_size, dtype=np.int32), s.local_rows)
+            array = stacks[s.index]
+            if isinstance(array, np.ndarray):
+                out[name] = array[rows]
+                continue
+            sharding = jax.typeof(array).sharding
+            if is_explicit(getattr(sharding, "mesh", None)):
+                out[name] = array.at[rows].get(out_sharding=P(None, s.spec[1]))
+            else:
+                out[name] = jnp.take(array, rows, axis=0)
+    return out
+
+
+def concat_features(layout: CollectionLayout, outputs: Mapping[str, jax.Array]) -> jax.Array:
+    """The pooled features' outputs side by side, `[B, Σ dim]`, in feature order."""
+    pooled = [outputs[f.name] for f in layout.features if f.pooled]
+    return jnp.concatenate(pooled, axis=-1)
+
+
+def _mesh(mesh: Any) -> Any:
+    if mesh is not None:
+        return mesh
+    ctx = jax.sharding.get_abstract_mesh()
+    return None if ctx.empty else ctx
+
+
+class EmbeddingBagCollection(nnx.Module):
+    """Embedding tables and the sparse features that read them, placed over a mesh.
+
+    Features pool bags of ids (`combiner` sum, mean, sqrtn, max: `[B, dim]`) or keep them
+    unpooled (`combiner=None`: `[B, L, dim]`); several may read one table. Tables of one dim
+    whose placements split rows the same way are stacked into one physical table, so that a
+    batch is one lookup per stack (`jaxembed.collection.layout`).
+
+    Args:
+      tables: `TableConfig`s.
+      features: `FeatureConfig`s.
+      mesh: the mesh; default `jax.set_mesh`'s (None: one device, all replicated).
+      placements: placements for tables whose config says `"auto"` (or a
+        `jaxembed.plan_collection` result's `.placements`); without any, `"auto"` tables are
+        split by rows over the whole mesh.
+      x_sharding: the dense inputs' layout where it cannot be read (under `jit` in an Auto
+        mesh), e.g. `P("data")`.
+      exchange: the lookups' exchange (`"auto"`, `"rows"`, `"routed"`, ...).
+      rngs: the rngs; each table draws from `rngs.params()` in table order.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import jaxembed, jaxembed.nnx
+      >>> tables = [jaxembed.TableConfig("item", 100, 8, placement="rows"),
+      ...           jaxembed.TableConfig("country", 10, 4, placement="replicated")]
+      >>> features = [jaxembed.FeatureConfig("clicked", "item", combiner="mean"),
+      ...             jaxembed.FeatureConfig("country", "country")]
+      >>> with jax.set_mesh(jax.make_mesh((8,), ("data",))):
+      ...     coll = jaxembed.nnx.EmbeddingBagCollection(tables, features, rngs=nnx.Rngs(0))
+      ...     batch = {"clicked": jnp.array([[1, 2, -1]] * 8), "country": jnp.arange(8)}
+      ...     out = coll(batch)
+      >>> out["clicked"].shape, out["country"].shape, coll.concat(out).shape
+      ((8, 8), (8, 4), (8, 12))
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        features: Sequence[FeatureConfig],
+        *,
+        mesh: Any = None,
+        placements: Mapping[str, str] | None = None,
+        x_sharding: Any = None,
+        exchange: str = "auto",
+        rngs: nnx.Rngs,
+    ):
+        mesh = _mesh(mesh)
+        self.layout = layout_collection(tables, features, mesh, getattr(
+            placements, "placements", placements))  # fmt: skip
+        self.mesh = mesh
+        self.x_sharding = x_sharding if x_sharding is None else P(*x_sharding)
+        self.exchange = exchange
+        values = {}
+        for t in tables:
+            init = t.initializer or default_embed_init
+            values[t.name] = init(rngs.params(), (t.vocab_size, t.dim), t.dtype)
+        stacks = {}
+        for s in self.layout.stacks:
+            array = build_stack(self.layout, s, values)
+            if mesh is not None and isinstance(mesh, jax.sharding.Mesh) and not is_explicit(mesh):
+                array = jax.device_put(array, NamedSharding(mesh, s.spec))
+            stacks[s.name] = Table(array, out_sharding=tuple(s.spec) if mesh is not None else None)
+        self.stacks = nnx.Dict(stacks)
+
+    def _stacks(self) -> dict[int, jax.Array]:
+        return {s.index: self.stacks[s.name][...] for s in self.layout.stacks}
+
+    def __call__(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
+        """Every feature's output.
+
+        Args:
+          batch: `{feature: ids [B] | ids [B, L] | (ids, weights) | jaxembed.Ragged}`;
+            negative ids are empty slots, ids outside a table's vocabulary read nothing.
+
+        Returns:
+          `{feature: [B, dim]}` for pooled features (`[*lead·B, dim]` for a `Ragged`), and
+          `[B, L, dim]` for unpooled ones.
+        """
+        return collection_lookup(
+            self.layout, self._stacks(), batch, mesh=self.mesh, x_spec=self.x_sharding,
+            exchange=self.exchange,
+        )  # fmt: skip
+
+    def concat(self, outputs: Mapping[str, jax.Array]) -> jax.Array:
+        """The pooled features' outputs side by side, `[B, Σ dim]`, in feature order."""
+        return concat_features(self.layout, outputs)
+
+    def tables(self) -> dict[str, jax.Array]:
+        """Each table in id order, `[vocab_size, dim]` (a gather: for export and checks)."""
+        return unstack(self.layout, self._stacks())
+
+    def load_tables(self, values: Mapping[str, jax.Array]) -> None:
+        """Sets every table from `{name: [vocab_size, dim]}` in id order (any layout)."""
+        for s in self.layout.stacks:
+            array = build_stack(self.layout, s, values)
+            old = self.stacks[s.name][...]
+            if isinstance(getattr(old, "sharding", None), NamedSharding):
+                array = jax.device_put(array, old.sharding)
+            self.stacks[s.name][...] = array
+
+    def init_optimizer(self, optimizer: Any) -> dict[int, Any]:
+        """The row-sparse optimizer's state of every stack (`jaxembed.optim`)."""
+        return {
+            s.index: optimizer.init(self.stacks[s.name][...], mesh=self.mesh, weight_spec=s.spec)
+            for s in self.layout.stacks
+        }
+
+    def apply_gradients(
+        self,
+        optimizer: Any,
+        states: Mapping[int, Any],
+        batch: Mapping[str, Any],
+        out_grads: Mapping[str, jax.Array],
+    ) -> dict[int, Any]:
+        """Updates the tables in place from the outputs' gradients; returns the new states.
+
+        Args:
+          optimizer: a `jaxembed.optim.RowSparseOptimizer`.
+          states: from `init_optimizer` (or the last call).
+          batch: the batch the outputs were looked up for.
+          out_grads: d loss / d output, per feature.
+        """
+        stacks, states = collection_update(
+            self.layout, optimizer, self._stacks(), states, batch, out_grads, mesh=self.mesh,
+            x_spec=self.x_sharding, exchange=self.exchange,
+        )  # fmt: skip
+        for s in self.layout.stacks:
+            self.stacks[s.name][...] = stacks[s.index]
+        return states
