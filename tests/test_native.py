@@ -58,11 +58,11 @@ FORMULAS = {
 }
 
 
-def make_slots(seed, m, *, rows=R, segments=S, sorted_segments=False, dtype=jnp.float32):
+def make_slots(seed, m, *, rows=R, segments=S, sorted_segments=False, dtype=jnp.float32, hidden=H):
     """A table and M slots: duplicate rows, ~25% invalid slots (their rows often out of range,
     negative or >= rows), segments -1 / >= S on some slots, and some bags left empty."""
     rng = np.random.default_rng(seed)
-    table = rng.normal(size=(rows, H)).astype(np.float32)
+    table = rng.normal(size=(rows, hidden)).astype(np.float32)
     local = rng.integers(0, max(rows // 3, 1), m).astype(np.int32)  # many duplicates
     valid = rng.random(m) < 0.75
     junk = rng.choice([-5, -1, rows, rows + 7], m).astype(np.int32)
@@ -168,6 +168,37 @@ def test_bag_scatter_add_matches_xla(dtype):
         if 0 <= local[i] < R:
             want[local[i]] += scale[i] * og[seg[i]]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hidden", [64, 100])  # 64-column register blocks, then 16, then a tail
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_wide_rows(hidden, dtype):
+    for sorted_segments in (True, False):
+        table, local, valid, seg, scale = make_slots(
+            16, 120, dtype=dtype, hidden=hidden, sorted_segments=sorted_segments
+        )
+        got = native.pool_sum(table, local, valid, seg, scale, S)
+        want = np_pool_sum(np.asarray(table.astype(jnp.float32)), local, valid, seg, scale, S)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            got, local_ops.pool_sum(table, local, valid, seg, scale, S), rtol=1e-5, atol=1e-6
+        )
+    f = FORMULAS["rowwise_adagrad"]
+    state = f.init_state(R, hidden)
+    out_grad = jnp.asarray(np.random.default_rng(16).normal(size=(S, hidden)), dtype)
+    touched = np.zeros(R, bool)
+    touched[local[valid & (local >= 0) & (local < R)]] = True
+    args = (f, table, state, 1, local, valid, seg, scale, out_grad)
+    assert_update_equal(
+        native.bag_apply_rows(*args, hidden_size=hidden),
+        native.xla_bag_apply_rows(*args, hidden_size=hidden),
+        (table, state),
+        touched,
+    )
+    grads = jnp.asarray(np.random.default_rng(17).normal(size=(120, hidden)), dtype)
+    args = (f, table, state, 1, local, valid, grads)
+    want = sparse.apply_rows(*args, hidden_axes=(), hidden_size=hidden)
+    assert_update_equal(native.apply_rows(*args, hidden_size=hidden), want, (table, state), touched)
 
 
 def test_dedup_rows_bitwise_xla():

@@ -23,8 +23,8 @@ compile), warning once.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import fcntl
 import hashlib
 import os
 import platform
@@ -145,8 +145,25 @@ def _compile(cxx: str, include_dir: str, flags: list[str], target: Path) -> str 
         log.write_text(" ".join(cmd) + "\n\n" + run.stdout + run.stderr)
         tail = (run.stderr or run.stdout).strip().splitlines()[-5:]
         return f"{cxx} exited with {run.returncode} (full log: {log}): " + " | ".join(tail)
+    os.chmod(tmp, 0o755)  # mkstemp made it private; a shared JAXEMBED_NATIVE_CACHE needs reads
     os.replace(tmp, target)
     return None
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive lock on `path` across processes (a no-op where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def load() -> tuple[ctypes.CDLL | None, str | None, Path | None]:
@@ -171,15 +188,11 @@ def load() -> tuple[ctypes.CDLL | None, str | None, Path | None]:
         key_dir = cache_dir() / _cache_key(cxx, include_dir, flags)
         key_dir.mkdir(parents=True, exist_ok=True)
         library = key_dir / LIBRARY_NAME
-        with open(key_dir.parent / f"{key_dir.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                if not library.exists():
-                    error = _compile(cxx, include_dir, flags, library)
-                    if error:
-                        return None, error, library
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        with _file_lock(key_dir.parent / f"{key_dir.name}.lock"):
+            if not library.exists():
+                error = _compile(cxx, include_dir, flags, library)
+                if error:
+                    return None, error, library
     except OSError as e:
         return None, f"cannot write the kernel cache ({e}): set JAXEMBED_NATIVE_CACHE", None
     try:

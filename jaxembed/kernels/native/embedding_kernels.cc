@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -317,7 +319,7 @@ void ForEachSegment(int64_t M, int64_t S, const int32_t* seg, const bool* valid,
 template <class T>
 struct SumVisitor {
   const T* table;
-  int64_t R, H;
+  int64_t R, H, M;
   const int32_t* local;
   const float* scale;
   float* out;
@@ -325,12 +327,15 @@ struct SumVisitor {
   template <class Get>
   void Bag(int64_t s, int64_t a, int64_t b, const Get& get) const {
     const T* tab = table;
-    const int64_t rows = R, h = H;
+    const int64_t rows = R, h = H, m = M;
     const int32_t* loc = local;
     const float* sc = scale;
     WeightedSum<T>(out + s * H, H, a, b, [&](int64_t k, const T** row, float* f) {
       const int64_t i = get(k);
       if (i < 0 || rows == 0) return false;
+      if (i + kPrefetchDistance < m) {  // slot order: the next bags' rows
+        PrefetchRow(tab + ClampRow(loc[i + kPrefetchDistance], rows) * h, h * sizeof(T));
+      }
       *row = tab + ClampRow(loc[i], rows) * h;
       *f = sc[i];
       return true;
@@ -356,7 +361,7 @@ ffi::Error PoolSumImpl(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> local,
   Team team(ThreadsFor(num_threads, std::max(M, S)));
   DispatchFloat(table.element_type(), [&](auto zero) {
     using T = decltype(zero);
-    SumVisitor<T> v{static_cast<const T*>(table.untyped_data()), R, H, local.typed_data(),
+    SumVisitor<T> v{static_cast<const T*>(table.untyped_data()), R, H, M, local.typed_data(),
                     scale.typed_data(), out->typed_data()};
     ForEachSegment(M, S, segments.typed_data(), valid.typed_data(), team, v);
   });
@@ -544,13 +549,15 @@ ffi::Error DedupRowsImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> val
       team);
   int32_t* u = unique->typed_data();
   int32_t* w = which->typed_data();
-  int64_t position = -1;
+  int64_t position = -1, previous = 0;
   for (int64_t j = 0; j < M; ++j) {
-    if (j == 0 || sorted.keys[j] != sorted.keys[j - 1]) {
+    const int64_t slot = sorted.slots[j], current = key(slot);
+    if (j == 0 || current != previous) {
       ++position;
-      u[position] = static_cast<int32_t>(sorted.keys[j] + lo);
+      u[position] = static_cast<int32_t>(current);
     }
-    w[sorted.slots[j]] = static_cast<int32_t>(position);
+    previous = current;
+    w[slot] = static_cast<int32_t>(position);
   }
   for (int64_t p = position + 1; p < M; ++p) u[p] = static_cast<int32_t>(num_rows + p);
   return ffi::Error::Success();
@@ -603,33 +610,30 @@ ffi::Error PrepareUpdate(const char* k, Formula f, int64_t R, int64_t H, ffi::An
   return ffi::Error::Success();
 }
 
-#ifndef JAXEMBED_ROWS_AHEAD
-#define JAXEMBED_ROWS_AHEAD 8
-#endif
-constexpr int kRowsAhead = JAXEMBED_ROWS_AHEAD;
+constexpr int kRowsAhead = 8;  // distinct rows prefetched ahead by the update
 
 // The per-row update over the grouped slots: thread t takes a run-aligned share of the sorted
 // slots, sums each row's gradients in slot order (FBGEMM's CPU backward does the same: group by
 // row, accumulate a row's gradient in a small buffer, then apply the optimizer to it), then
 // applies the formula to that row and its state in place. `grad_of(slot, &row, &factor)` gives
 // a slot's gradient as factor · row (G[H]), or false for none.
-template <Formula F, class T, class G, class GradOf>
+template <Formula F, class T, class G, class RowOf, class GradOf>
 void UpdateRows(const SortedSlots& sorted, Team& team, const UpdateBuffers& ub, int64_t H,
-                const Hyper& hp, const GradOf& grad_of) {
+                const Hyper& hp, const RowOf& row_of, const GradOf& grad_of) {
   const int threads = team.size();
   T* table = static_cast<T*>(ub.table);
   team.Run([&](int t) {
-    const int64_t begin = RunAlignedStart(sorted, threads, t);
-    const int64_t end = RunAlignedStart(sorted, threads, t + 1);
+    const int64_t begin = RunAlignedStart(sorted, threads, t, row_of);
+    const int64_t end = RunAlignedStart(sorted, threads, t + 1, row_of);
     std::vector<float> g(H), w(H);
     const int32_t* slots = sorted.slots.get();
-    const uint32_t* keys = sorted.keys.get();
+    auto key = [&](int64_t j) { return row_of(slots[j]); };
     // The rows touched are sparse and ascending, which the hardware prefetcher does not follow:
     // a cursor kRowsAhead distinct rows ahead prefetches each row and its state.
     int64_t ahead = begin;
     auto prefetch_next = [&]() {
       if (ahead >= end) return;
-      const int64_t r = keys[ahead];
+      const int64_t r = key(ahead);
       PrefetchRowForWrite(table + r * H, H * sizeof(T));
       for (int s = 0; s < NumSlots(F); ++s) {
         if (ub.per_row[s]) {
@@ -639,13 +643,13 @@ void UpdateRows(const SortedSlots& sorted, Team& team, const UpdateBuffers& ub, 
         }
       }
       do ++ahead;
-      while (ahead < end && keys[ahead] == static_cast<uint32_t>(r));
+      while (ahead < end && key(ahead) == r);
     };
     for (int i = 0; i < kRowsAhead; ++i) prefetch_next();
     for (int64_t a = begin; a < end;) {
-      const int64_t r = keys[a];
+      const int64_t r = key(a);
       int64_t b = a + 1;
-      while (b < end && keys[b] == r) ++b;
+      while (b < end && key(b) == r) ++b;
       prefetch_next();
       WeightedSum<G>(g.data(), H, a, b, [&](int64_t k, const G** row, float* f) {
         return grad_of(slots[k], row, f);
@@ -663,22 +667,22 @@ void UpdateRows(const SortedSlots& sorted, Team& team, const UpdateBuffers& ub, 
   });
 }
 
-template <class T, class G, class GradOf>
+template <class T, class G, class RowOf, class GradOf>
 void UpdateRowsFor(Formula f, const SortedSlots& sorted, Team& team, const UpdateBuffers& ub,
-                   int64_t H, const Hyper& hp, const GradOf& grad_of) {
+                   int64_t H, const Hyper& hp, const RowOf& row_of, const GradOf& grad_of) {
   switch (f) {
     case Formula::kSgd:
-      return UpdateRows<Formula::kSgd, T, G>(sorted, team, ub, H, hp, grad_of);
+      return UpdateRows<Formula::kSgd, T, G>(sorted, team, ub, H, hp, row_of, grad_of);
     case Formula::kAdagrad:
-      return UpdateRows<Formula::kAdagrad, T, G>(sorted, team, ub, H, hp, grad_of);
+      return UpdateRows<Formula::kAdagrad, T, G>(sorted, team, ub, H, hp, row_of, grad_of);
     case Formula::kRowwiseAdagrad:
-      return UpdateRows<Formula::kRowwiseAdagrad, T, G>(sorted, team, ub, H, hp, grad_of);
+      return UpdateRows<Formula::kRowwiseAdagrad, T, G>(sorted, team, ub, H, hp, row_of, grad_of);
     case Formula::kAdam:
-      return UpdateRows<Formula::kAdam, T, G>(sorted, team, ub, H, hp, grad_of);
+      return UpdateRows<Formula::kAdam, T, G>(sorted, team, ub, H, hp, row_of, grad_of);
     case Formula::kPartialRowwiseAdam:
-      return UpdateRows<Formula::kPartialRowwiseAdam, T, G>(sorted, team, ub, H, hp, grad_of);
+      return UpdateRows<Formula::kPartialRowwiseAdam, T, G>(sorted, team, ub, H, hp, row_of, grad_of);
     case Formula::kFtrl:
-      return UpdateRows<Formula::kFtrl, T, G>(sorted, team, ub, H, hp, grad_of);
+      return UpdateRows<Formula::kFtrl, T, G>(sorted, team, ub, H, hp, row_of, grad_of);
   }
 }
 
@@ -730,13 +734,13 @@ ffi::Error RunUpdate(const char* k, const UpdateAttrs& at, ffi::Buffer<ffi::F32>
   const int32_t* loc = local.typed_data();
   const bool* val = valid.typed_data();
   Team team(ThreadsFor(at.num_threads, M));
-  SortedSlots sorted = SortSlotsByKey(
-      M, BitsFor(static_cast<uint64_t>(R)),
-      [&](int64_t i) -> int64_t { return val[i] && loc[i] >= 0 && loc[i] < R ? loc[i] : -1; },
-      team);
+  auto row_of = [=](int64_t i) -> int64_t {
+    return val[i] && loc[i] >= 0 && loc[i] < R ? loc[i] : -1;
+  };
+  SortedSlots sorted = SortSlotsByKey(M, BitsFor(static_cast<uint64_t>(R)), row_of, team);
   DispatchFloat(ub.table_type, [&](auto zero) {
     using T = decltype(zero);
-    UpdateRowsFor<T, G>(f, sorted, team, ub, H, hp, grad_of);
+    UpdateRowsFor<T, G>(f, sorted, team, ub, H, hp, row_of, grad_of);
   });
   return ffi::Error::Success();
 }
@@ -794,12 +798,30 @@ ffi::Error BagApplyRowsImpl(ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32>
   return result;
 }
 
+// A handler never lets a C++ exception (std::bad_alloc of the scratch arrays) cross into XLA:
+// it becomes an ffi::Error.
+template <auto Fn>
+struct Safe;
+template <class... Args, ffi::Error (*Fn)(Args...)>
+struct Safe<Fn> {
+  static ffi::Error Call(Args... args) {
+    try {
+      return Fn(std::move(args)...);
+    } catch (const std::bad_alloc&) {
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                        "jaxembed native kernel: out of memory for its scratch arrays");
+    } catch (const std::exception& e) {
+      return ffi::Error::Internal(std::string("jaxembed native kernel: ") + e.what());
+    }
+  }
+};
+
 }  // namespace
 }  // namespace jaxembed
 
 // ---- the handlers (symbols looked up by build.py) ---------------------------------------------
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedGatherRows, jaxembed::GatherRowsImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedGatherRows, jaxembed::Safe<jaxembed::GatherRowsImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -807,7 +829,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedGatherRows, jaxembed::GatherRowsImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("num_threads"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedPoolSum, jaxembed::PoolSumImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedPoolSum, jaxembed::Safe<jaxembed::PoolSumImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -817,7 +839,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedPoolSum, jaxembed::PoolSumImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("num_threads"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedPoolMax, jaxembed::PoolMaxImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedPoolMax, jaxembed::Safe<jaxembed::PoolMaxImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -827,7 +849,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedPoolMax, jaxembed::PoolMaxImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("num_threads"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedScatterAdd, jaxembed::ScatterAddImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedScatterAdd, jaxembed::Safe<jaxembed::ScatterAddImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
@@ -835,7 +857,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedScatterAdd, jaxembed::ScatterAddImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("num_threads"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedBagScatterAdd, jaxembed::BagScatterAddImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedBagScatterAdd, jaxembed::Safe<jaxembed::BagScatterAddImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
@@ -845,7 +867,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedBagScatterAdd, jaxembed::BagScatterAddImpl
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("num_threads"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedDedupRows, jaxembed::DedupRowsImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedDedupRows, jaxembed::Safe<jaxembed::DedupRowsImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
@@ -854,7 +876,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedDedupRows, jaxembed::DedupRowsImpl,
                                   .Attr<int64_t>("num_rows")
                                   .Attr<int64_t>("num_threads"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedApplyRows, jaxembed::ApplyRowsImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedApplyRows, jaxembed::Safe<jaxembed::ApplyRowsImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -864,7 +886,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedApplyRows, jaxembed::ApplyRowsImpl,
                                   .RemainingRets()
                                   .Attrs<jaxembed::UpdateAttrs>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedBagApplyRows, jaxembed::BagApplyRowsImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedBagApplyRows, jaxembed::Safe<jaxembed::BagApplyRowsImpl>::Call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
