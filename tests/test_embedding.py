@@ -143,11 +143,15 @@ def check_hlo_against_plan(plan, text, mesh, extra_kinds=None):
     for c in found:
         if c.kind == "all-gather":
             assert not table_shapes & set(c.result_shape), f"the table is gathered: {c}"
-    kinds = {"psum": "all-reduce", "psum_scatter": "reduce-scatter", "all_gather": "all-gather"}
+    kinds = {"psum": "all-reduce", "psum_scatter": "reduce-scatter", "all_gather": "all-gather",
+             "all_to_all": "all-to-all"}  # fmt: skip
     kinds.update(extra_kinds or {})
-    planned = sorted(
-        (kinds[c.op], tuple(c.axes)) for c in (*plan.forward, *plan.backward) if c.op in kinds
-    )
+    listed = [*plan.forward, *plan.backward]
+    if plan.routed is not None:  # the compiled program holds the exact fallback's branch too
+        listed += [*plan.routed.fallback_forward, *plan.routed.fallback_backward]
+    unknown = [c.op for c in listed if c.op not in kinds]
+    assert not unknown, f"collectives the check does not know: {unknown}"
+    planned = sorted((kinds[c.op], tuple(c.axes)) for c in listed)
     moved = [c for c in (*plan.forward, *plan.backward) if c.op == "reshard"]
     actual = sorted((c.kind, hlo.mesh_axes(c, mesh)) for c in found)
     if not moved:  # no reshard left to XLA: the program is exactly the plan

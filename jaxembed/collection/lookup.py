@@ -185,6 +185,7 @@ def collection_lookup(
     x_spec: P | None = None,
     exchange: str = "auto",
     capacity_factor: float | None = None,
+    impl: str = "auto",
 ) -> dict[str, jax.Array]:
     """Every feature's output: pooled `[B, dim]` (a `Ragged` input: `[*lead·B, dim]`) or
     unpooled `[B, L, dim]`.
@@ -195,7 +196,7 @@ def collection_lookup(
       batch: `{feature: ids [B] | ids [B, L] | (ids, weights) | Ragged}`.
       mesh: the mesh (default the stacks' own or `jax.set_mesh`'s).
       x_spec: the dense ids' layout where it cannot be read (e.g. `P("data")`).
-      exchange, capacity_factor: as in `jaxembed.embedding_bag`, for every call.
+      exchange, capacity_factor, impl: as in `jaxembed.embedding_bag`, for every call.
     """
     outputs: dict[str, jax.Array] = {}
     groups = groups_of(layout, batch)
@@ -208,7 +209,7 @@ def collection_lookup(
             ids, stacks[group.stack], lengths=lengths, per_id_weights=weights,
             combiner=group.combiner, vocab_size=stack.shape[0], mesh=mesh,
             x_spec=_spec(x_spec, ids), weight_spec=stack.spec, exchange=exchange,
-            capacity_factor=capacity_factor, check_ids=False,
+            capacity_factor=capacity_factor, check_ids=False, impl=impl,
         )  # fmt: skip
         outputs.update(_split(out, pieces, group.kind))
     return {f.name: outputs[f.name] for f in layout.features}
@@ -233,6 +234,7 @@ def collection_update(
     x_spec: P | None = None,
     exchange: str = "auto",
     capacity_factor: float | None = None,
+    impl: str = "auto",
 ) -> tuple[dict[int, jax.Array], dict[int, Any]]:
     """Row-sparse update of every stack from the outputs' gradients (`jaxembed.optim`).
 
@@ -242,7 +244,7 @@ def collection_update(
     gets one update per call, and a warning says so.
 
     Args:
-      layout, batch, mesh, x_spec, exchange, capacity_factor: as `collection_lookup`.
+      layout, batch, mesh, x_spec, exchange, capacity_factor, impl: as `collection_lookup`.
       optimizer: a `jaxembed.optim.RowSparseOptimizer`.
       stacks, states: each stack's table and optimizer state, by stack index.
       out_grads: d loss / d output, per feature, shaped as `collection_lookup`'s outputs.
@@ -271,7 +273,7 @@ def collection_update(
             stacks[group.stack], states[group.stack], ids, out_grad, lengths=lengths,
             per_id_weights=weights, combiner=group.combiner, vocab_size=stack.shape[0],
             mesh=mesh, x_spec=_spec(x_spec, ids), weight_spec=stack.spec, exchange=exchange,
-            capacity_factor=capacity_factor,
+            capacity_factor=capacity_factor, impl=impl,
         )  # fmt: skip
     return stacks, states
 

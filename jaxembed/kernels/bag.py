@@ -185,16 +185,18 @@ def _routed_pool(plan: EmbeddingPlan, bags: Bags, table: jax.Array):
     buckets = routed_ops.bucketize(plan, bags.ids.reshape(-1), s.here)
     overflow = routed_ops.overflowed(buckets, plan.mesh_names)
 
+    ops = local_ops.kernels_for(plan)
+
     def routed(_):
         rows = routed_ops.route_rows(plan, table, buckets)  # f[M, H/K], complete rows
         slots = jnp.arange(rows.shape[0], dtype=jnp.int32)
-        pooled = local_ops.pool_sum(rows, slots, s.here, s.segment, s.scale, s.num_segments)
+        pooled = ops.pool_sum(rows, slots, s.here, s.segment, s.scale, s.num_segments)
         return _out_shape(plan, bags, pooled.astype(table.dtype))
 
     def fallback(_):
         whole = _gather_bags(plan, bags, plan.routed.axes, plan.routed.dim)
         g = _slots(plan, whole, my_bags_only=True)
-        pooled = local_ops.pool_sum(table, g.local, g.here, g.segment, g.scale, g.num_segments)
+        pooled = ops.pool_sum(table, g.local, g.here, g.segment, g.scale, g.num_segments)
         return reduce_over_rows(plan, _out_shape(plan, whole, pooled.astype(table.dtype)))
 
     return jax.lax.cond(overflow, fallback, routed, None), overflow.astype(jnp.int32)
@@ -209,11 +211,12 @@ def pool(plan: EmbeddingPlan, bags: Bags, table: jax.Array):
         out, overflow = _routed_pool(plan, bags, table)
         return out, None, overflow
     s = _slots(plan, bags, my_bags_only=True)
+    ops = local_ops.kernels_for(plan)
     if plan.bag.combiner != "max":
-        pooled = local_ops.pool_sum(table, s.local, s.here, s.segment, s.scale, s.num_segments)
+        pooled = ops.pool_sum(table, s.local, s.here, s.segment, s.scale, s.num_segments)
         out = reduce_over_rows(plan, _out_shape(plan, bags, pooled.astype(table.dtype)))
         return out, None, no_overflow
-    maxima, winners = local_ops.pool_max(table, s.local, s.here, s.segment, s.num_segments)
+    maxima, winners = ops.pool_max(table, s.local, s.here, s.segment, s.num_segments)
     # maxima: f32[G*B, H/K] (-inf: no row here); winners: slot index in the flat block
     capacity = bags.ids.shape[-1]
     winners = jnp.where(winners < s.local.shape[0], winners % capacity, capacity)
@@ -264,7 +267,7 @@ def _rows_exchange(plan: EmbeddingPlan, bags: Bags, out_grad, winners):
 
 
 def exchanged_slot_grads(plan: EmbeddingPlan, bags: Bags, out_grad, winners, consume,
-                         overflow=None):  # fmt: skip
+                         overflow=None, fused=None):  # fmt: skip
     """out_grad into the body's layout, the exchange, then each slot's gradient handed to
     `consume(local, here, grads)` (a scatter-add, or an optimizer's update), whose result
     is returned with the routed exchange's overflow flag, `(result, overflow)`. Under the
@@ -284,8 +287,7 @@ def exchanged_slot_grads(plan: EmbeddingPlan, bags: Bags, out_grad, winners, con
         def fallback(_):
             axes, dim = plan.routed.axes, plan.routed.dim
             whole = _gather_bags(plan, bags, axes, dim)
-            return consume(*bag_slot_grads(plan, whole, gather(out_grad, axes, dim), None,
-                                           my_bags_only=True))  # fmt: skip
+            return _consume(plan, whole, gather(out_grad, axes, dim), None, True, consume, fused)
 
         if overflow is None:
             overflow = routed_ops.overflowed(buckets, plan.mesh_names).astype(jnp.int32)
@@ -294,8 +296,15 @@ def exchanged_slot_grads(plan: EmbeddingPlan, bags: Bags, out_grad, winners, con
     if plan.exchange == "rows":
         bags, out_grad, winners = _rows_exchange(plan, bags, out_grad, winners)
     mine = plan.exchange != "rows"
-    result = consume(*bag_slot_grads(plan, bags, out_grad, winners, my_bags_only=mine))
+    result = _consume(plan, bags, out_grad, winners, mine, consume, fused)
     return result, jnp.zeros((), jnp.int32)
+
+
+def _consume(plan, bags, out_grad, winners, my_bags_only, consume, fused):
+    if fused is not None and plan.bag.combiner != "max":
+        s = _slots(plan, bags, my_bags_only=my_bags_only)
+        return fused(s, out_grad.reshape(-1, out_grad.shape[-1]))
+    return consume(*bag_slot_grads(plan, bags, out_grad, winners, my_bags_only=my_bags_only))
 
 
 def _backward_body(plan: EmbeddingPlan, *arrays):
@@ -303,10 +312,21 @@ def _backward_body(plan: EmbeddingPlan, *arrays):
     bags = _unpack(plan, residuals)
     winners = residuals[-1] if plan.bag.combiner == "max" else None
 
-    def scatter(local, here, grads):
-        return local_ops.scatter_add(plan.table_shard_shape, local, here, grads)
+    ops = local_ops.kernels_for(plan)
 
-    weight_grad, _ = exchanged_slot_grads(plan, bags, out_grad, winners, scatter, overflow)
+    def scatter(local, here, grads):
+        return ops.scatter_add(plan.table_shard_shape, local, here, grads)
+
+    fused = None
+    if plan.impl == "native":
+
+        def fused(s, og):
+            return ops.bag_scatter_add(plan.table_shard_shape, s.local, s.here, s.segment,
+                                       s.scale, og)  # fmt: skip
+
+    weight_grad, _ = exchanged_slot_grads(
+        plan, bags, out_grad, winners, scatter, overflow, fused=fused
+    )
     return finish_gradient(plan, weight_grad)  # f[V/R, H/K]
 
 
@@ -433,6 +453,7 @@ def embedding_bag(
     capacity_factor: float | None = None,
     return_stats: bool = False,
     check_ids: bool = True,
+    impl: str = "auto",
 ) -> Any:
     """Pools `weight`'s rows over bags of ids, sharded, with PyTorch's `embedding_bag` semantics.
 
@@ -459,7 +480,7 @@ def embedding_bag(
         are not counted), `"sqrtn"` or `"max"` (element-wise; its gradient goes to the
         earliest slot giving the max). An empty bag gives zeros.
       padding_idx, vocab_size, mesh, weight_spec, out_spec, exchange, row_sharding, capacity,
-        capacity_factor, return_stats: as in `jaxembed.embedding`.
+        capacity_factor, return_stats, impl: as in `jaxembed.embedding`.
       check_ids: raise for concrete ids outside the vocabulary (True); False lets them read
         nothing, as under `jit` (for callers that mark empty slots with -1 on purpose).
       x_spec: the ids' layout (the lengths and weights follow the same lead layout unless
@@ -519,7 +540,7 @@ def embedding_bag(
         weight_spec=weight_spec, out_spec=out_spec, padding_idx=padding_idx,
         vocab_size=vocab_size, dtype=weight.dtype, ids_dtype=bags.ids.dtype,
         exchange=exchange, row_sharding=row_sharding, capacity=capacity,
-        capacity_factor=capacity_factor,
+        capacity_factor=capacity_factor, impl=impl,
     )  # fmt: skip
     if check_ids:
         _check_bag_ids(bags, plan.vocab_size)

@@ -13,6 +13,7 @@ Row sharding. A table split over R mesh axes (n shards) holds, on shard s:
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 
 __all__ = [
     "gather_rows",
+    "kernels_for",
     "local_rows",
     "owner_of",
     "pool_max",
@@ -27,6 +29,21 @@ __all__ = [
     "reads_a_row",
     "scatter_add",
 ]
+
+
+def kernels_for(plan: Any):
+    """The module whose `gather_rows`, `pool_sum`, `pool_max` and `scatter_add` the plan runs:
+    this one (XLA), or `jaxembed.kernels.native` (its C++ twins) when `plan.impl` says so."""
+    if getattr(plan, "impl", "xla") == "native":
+        from jaxembed.kernels import native
+
+        return native
+    return sys.modules[__name__]
+
+
+def native_update(plan: Any) -> bool:
+    """Whether the row-sparse update runs natively (the hidden axis must not be split)."""
+    return getattr(plan, "impl", "xla") == "native" and not plan.hidden_axes
 
 
 def reads_a_row(ids: jax.Array, vocab_size: int, padding_idx: int | None) -> jax.Array:

@@ -90,7 +90,8 @@ def cotangent_spec(plan: EmbeddingPlan) -> P:
 
 def _gathered_lookup(plan: EmbeddingPlan, ids: jax.Array, table: jax.Array) -> jax.Array:
     local, valid = local_ops.local_rows(plan, ids)
-    out = local_ops.gather_rows(table, local, valid)  # f[*batch / ids_spec, H/K], partial over R
+    gathered = local_ops.kernels_for(plan).gather_rows(table, local.reshape(-1), valid.reshape(-1))
+    out = gathered.reshape(*ids.shape, table.shape[1])  # f[*batch / ids_spec, H/K], partial / R
     return reduce_over_rows(plan, out)  # f[*batch / body_out_spec, H/K]
 
 
@@ -121,7 +122,9 @@ def _forward_body(plan: EmbeddingPlan, x: jax.Array, table: jax.Array):
 
 def _scatter_gradient(plan, ids, out_grad):
     local, valid = local_ops.local_rows(plan, ids)
-    return local_ops.scatter_add(plan.table_shard_shape, local, valid, out_grad)
+    grads = out_grad.reshape(-1, out_grad.shape[-1])
+    ops = local_ops.kernels_for(plan)
+    return ops.scatter_add(plan.table_shard_shape, local.reshape(-1), valid.reshape(-1), grads)
 
 
 def _backward_body(plan: EmbeddingPlan, ids, overflow, out_grad: jax.Array) -> jax.Array:
@@ -391,6 +394,7 @@ def embedding(
     capacity: int | None = None,
     capacity_factor: float | None = None,
     return_stats: bool = False,
+    impl: str = "auto",
 ) -> Any:
     """Looks up `weight[x]` on any layout of table and ids; the gradient stays in the table's.
 
@@ -425,6 +429,8 @@ def embedding(
         owner per step), or its factor over the uniform expectation μ = M / n (default:
         μ + 4√μ + 1, see `jaxembed.plan.routed.capacity_for`).
       return_stats: also return a `LookupStats` (whether the routed exchange fell back).
+      impl: the shard-local kernels: `"auto"` (jaxembed's native CPU kernels on CPU when they
+        can be built, else XLA), `"xla"` or `"native"`; the collectives are the same.
 
     Returns:
       `out[*batch, H]` laid out as `out_spec` (and `LookupStats` with `return_stats`). Ids
@@ -452,7 +458,7 @@ def embedding(
         weight_spec=weight_spec, out_spec=out_spec,
         exchange=exchange if gradient_exchange is None else gradient_exchange,
         row_sharding=row_sharding, capacity=capacity, capacity_factor=capacity_factor,
-        return_stats=return_stats,
+        return_stats=return_stats, impl=impl,
     )  # fmt: skip
 
 
@@ -471,6 +477,7 @@ def lookup(
     capacity: int | None = None,
     capacity_factor: float | None = None,
     return_stats: bool = False,
+    impl: str = "auto",
     x_hint: P | None = None,
     function: str = "embedding",
     table_advice: str | None = None,
@@ -502,7 +509,7 @@ def lookup(
         mesh, x.shape, weight.shape, x_spec=x_spec, weight_spec=weight_spec,
         out_spec=out_spec, padding_idx=padding_idx, vocab_size=vocab_size,
         dtype=weight.dtype, ids_dtype=x.dtype, exchange=exchange, row_sharding=row_sharding,
-        capacity=capacity, capacity_factor=capacity_factor,
+        capacity=capacity, capacity_factor=capacity_factor, impl=impl,
     )  # fmt: skip
     check_ids_eagerly(x, plan.vocab_size)
     if not isinstance(x, jax.core.Tracer):

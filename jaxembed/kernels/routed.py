@@ -121,7 +121,12 @@ def route_rows(plan: EmbeddingPlan, table: jax.Array, buckets: Buckets) -> jax.A
     """Each slot's row, fetched from its owner: f[M, H/K] (zero for slots that read none)."""
     recv = _to_owners(plan, buckets.send)  # i32[n_S, C] ids from each source
     local, valid = local_ops.local_rows(plan, recv)
-    rows = local_ops.gather_rows(table, local, valid & (recv >= 0))  # f[n_S, C, H/K]
+    n, c = recv.shape
+    rows = (
+        local_ops.kernels_for(plan)
+        .gather_rows(table, local.reshape(-1), (valid & (recv >= 0)).reshape(-1))
+        .reshape(n, c, -1)
+    )  # f[n_S, C, H/K]
     if plan.routed.rest_axes:
         rows = jax.lax.psum(rows, plan.routed.rest_axes)  # the owners' other row shards
     back = _to_owners(plan, rows)  # f[n_S, C, H/K]: my ids' rows, by bucket and place

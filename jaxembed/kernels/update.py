@@ -65,8 +65,11 @@ def _update_body(plan: EmbeddingPlan, formula: Any, num_slots: int, *arrays):
     slots, (count, *given, out_grad) = tuple(rest[:num_slots]), rest[num_slots:]
     hidden_local = table.shape[1]
 
+    native = local_ops.native_update(plan)
+    apply = local_ops.kernels_for(plan).apply_rows if native else apply_rows
+
     def consume(local, here, grads):
-        return apply_rows(
+        return apply(
             formula, table, slots, count, local.reshape(-1), here.reshape(-1),
             grads.reshape(-1, hidden_local), hidden_axes=plan.hidden_axes,
             hidden_size=plan.weight_shape[1],
@@ -76,7 +79,16 @@ def _update_body(plan: EmbeddingPlan, formula: Any, num_slots: int, *arrays):
         return _plain_update(plan, given, out_grad, consume)
     bags = moved_bags(plan, given)
     winners = pool(plan, bags, table)[1] if plan.bag.combiner == "max" else None
-    return exchanged_slot_grads(plan, bags, out_grad, winners, consume)
+    fused = None
+    if native:
+
+        def fused(s, og):  # the bag's backward and the update in one pass, no [M, H] buffer
+            return local_ops.kernels_for(plan).bag_apply_rows(
+                formula, table, slots, count, s.local, s.here, s.segment, s.scale, og,
+                hidden_size=plan.weight_shape[1],
+            )  # fmt: skip
+
+    return exchanged_slot_grads(plan, bags, out_grad, winners, consume, fused=fused)
 
 
 def slot_spec(plan: EmbeddingPlan, per_row: bool):

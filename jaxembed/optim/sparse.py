@@ -122,6 +122,7 @@ class RowSparseOptimizer:
         row_sharding: str = "block",
         capacity: int | None = None,
         capacity_factor: float | None = None,
+        impl: str = "auto",
         lengths: jax.Array | None = None,
         offsets: jax.Array | None = None,
         per_id_weights: jax.Array | None = None,
@@ -142,7 +143,8 @@ class RowSparseOptimizer:
           out_grad: d loss / d output of the lookup, in its output's layout (for bags: the
             pooled `[B, H]` gradient).
           padding_idx, vocab_size, mesh, x_spec, weight_spec, out_spec, row_sharding,
-            capacity, capacity_factor: the lookup's arguments (see `jaxembed.embedding`).
+            capacity, capacity_factor, impl: the lookup's arguments (see
+            `jaxembed.embedding`).
           exchange: `"auto"`, `"rows"` or `"routed"`; `"dense"` is refused (it all-reduces a
             table-sized buffer, which this update exists to avoid).
           gradient_exchange: the old name of `exchange`.
@@ -173,7 +175,7 @@ class RowSparseOptimizer:
         common = dict(
             padding_idx=padding_idx, vocab_size=vocab_size, dtype=table.dtype,
             ids_dtype=ids.dtype, row_sharding=row_sharding, update=True, capacity=capacity,
-            capacity_factor=capacity_factor,
+            capacity_factor=capacity_factor, impl=impl,
         )  # fmt: skip
         if mesh is None or (mesh.size == 1 and x_spec is None and weight_spec is None):
             plan = self._plan(AbstractMesh((1,), ("_",)), ids, table, bags, combiner, P(), P(),

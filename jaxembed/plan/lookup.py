@@ -37,6 +37,7 @@ import numpy as np
 from jaxembed import layout
 from jaxembed.plan import cost
 from jaxembed.plan.exchange import Geometry, choose_exchange, operand_has_dim
+from jaxembed.plan.impl import resolve_impl
 from jaxembed.plan.moves import local_shape, plan_moves
 from jaxembed.plan.phases import (
     GRAD_ACCUM_BYTES,
@@ -97,6 +98,7 @@ def plan_embedding(
     update: bool = False,
     capacity: int | None = None,
     capacity_factor: float | None = None,
+    impl: str = "auto",
 ) -> EmbeddingPlan:
     """Plans a sharded lookup `weight[x]` and its gradient on `mesh`.
 
@@ -121,6 +123,9 @@ def plan_embedding(
       capacity: the routed exchange's C, the distinct ids one device sends one owner per
         step; default μ + 4√μ + 1 for the uniform expectation μ = M / n.
       capacity_factor: C over μ instead, when `capacity` is None.
+      impl: the shard-local kernels: `"xla"`, `"native"` (the C++ kernels of
+        `jaxembed.kernels.native`, CPU only) or `"auto"` (native on CPU when they are
+        available, else XLA).
 
     Returns:
       An `EmbeddingPlan`.
@@ -146,7 +151,7 @@ def plan_embedding(
         padding_idx=padding_idx, vocab_size=vocab_size, dtype=dtype, ids_dtype=ids_dtype,
         exchange=_exchange_arg(exchange, gradient_exchange), row_sharding=row_sharding,
         backend=backend, bag=None, lengths_spec=None, weights_spec=None, update=update,
-        capacity=capacity, capacity_factor=capacity_factor,
+        capacity=capacity, capacity_factor=capacity_factor, impl=impl,
     )  # fmt: skip
 
 
@@ -173,6 +178,7 @@ def plan_embedding_bag(
     update: bool = False,
     capacity: int | None = None,
     capacity_factor: float | None = None,
+    impl: str = "auto",
 ) -> EmbeddingPlan:
     """Plans a sharded bag lookup (`jaxembed.embedding_bag`) and its gradient on `mesh`.
 
@@ -183,7 +189,7 @@ def plan_embedding_bag(
 
     Args:
       mesh, weight_shape, weight_spec, out_spec, padding_idx, vocab_size, dtype, ids_dtype,
-        exchange, row_sharding, backend, update, capacity, capacity_factor: as in
+        exchange, row_sharding, backend, update, capacity, capacity_factor, impl: as in
         `plan_embedding`.
       x_shape: the ids: `[*batch, L]` (dense form, a bag per row) when `num_bags` is None,
         else `[*lead, N]` (flat form, `num_bags` bags per lead element read in order).
@@ -226,7 +232,7 @@ def plan_embedding_bag(
         exchange=exchange, row_sharding=row_sharding, backend=backend, bag=bag,
         lengths_spec=lengths_spec if form == "flat" else None,
         weights_spec=weights_spec if weighted else None, update=update, capacity=capacity,
-        capacity_factor=capacity_factor,
+        capacity_factor=capacity_factor, impl=impl,
     )  # fmt: skip
 
 
@@ -243,7 +249,7 @@ def _exchange_arg(exchange: Any, gradient_exchange: Any) -> Any:
 
 def _plan(mesh, x_shape, weight_shape, *, x_spec, weight_spec, out_spec, padding_idx,
           vocab_size, dtype, ids_dtype, exchange, row_sharding, backend, bag, lengths_spec,
-          weights_spec, update, capacity, capacity_factor) -> EmbeddingPlan:  # fmt: skip
+          weights_spec, update, capacity, capacity_factor, impl) -> EmbeddingPlan:  # fmt: skip
     names = layout.axis_names_of(mesh)
     sizes = dict(zip(names, mesh_sizes(mesh), strict=True))
     return _plan_cached(
@@ -267,6 +273,7 @@ def _plan(mesh, x_shape, weight_shape, *, x_spec, weight_spec, out_spec, padding
         bool(update),
         capacity,
         capacity_factor,
+        resolve_impl(impl, backend or backend_of(mesh)),
     )
 
 
@@ -274,7 +281,7 @@ def _plan(mesh, x_shape, weight_shape, *, x_spec, weight_spec, out_spec, padding
 def _plan_cached(
     mesh_axes, explicit, x_shape, weight_shape, x_spec, weight_spec, out_spec, padding_idx,
     vocab_size, dtype, ids_dtype, exchange, row_sharding, backend, bag, lengths_spec,
-    weights_spec, update, capacity, capacity_factor,
+    weights_spec, update, capacity, capacity_factor, impl,
 ) -> EmbeddingPlan:  # fmt: skip
     names = tuple(n for n, _ in mesh_axes)
     sizes = dict(mesh_axes)
@@ -492,6 +499,7 @@ def _plan_cached(
         backend=backend,
         for_update=update,
         routed=routed,
+        impl=impl,
     )
 
 

@@ -29,6 +29,7 @@ from jaxembed.plan.types import Collective
 
 __all__ = ["RoutedPlan", "capacity_for", "plan_routed"]
 
+
 @dataclasses.dataclass(frozen=True)
 class RoutedPlan:
     """How the routed exchange runs, per device.

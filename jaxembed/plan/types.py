@@ -192,6 +192,7 @@ class EmbeddingPlan:
       for_update: planned for a row-sparse update (`jaxembed.optim`): no dense exchange.
       routed: the routed exchange's `jaxembed.plan.routed.RoutedPlan` when `exchange` is
         `"routed"` (its capacity, buckets and the exact fallback's collectives), else None.
+      impl: the shard-local kernels that run: `"xla"` or `"native"` (C++ on CPU).
 
     Properties give derived values: `rows_per_shard`, `table_shard_shape`,
     `gradient_exchange`, `forward_wire_bytes`, `backward_wire_bytes`.
@@ -257,6 +258,7 @@ class EmbeddingPlan:
     backend: str = "cpu"
     for_update: bool = False
     routed: Any = None
+    impl: str = "xla"
 
     @property
     def gradient_exchange(self) -> str:

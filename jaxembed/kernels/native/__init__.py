@@ -123,10 +123,28 @@ def _slots(kernel: str, local: Any, valid: Any, *others: tuple[str, Any]):
     return flat + [jnp.reshape(a, -1) for _, a in others]
 
 
+def _varying(x: Any) -> frozenset[str]:
+    axis_type = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(axis_type.varying) if axis_type is not None else frozenset()
+
+
 def _call(target: str, results, *args, aliases=None, **attrs):
-    return jax.ffi.ffi_call(
-        target, results, vmap_method="sequential", input_output_aliases=aliases
-    )(*args, **attrs)
+    # Inside a shard_map the results vary over every mesh axis any operand varies over (a
+    # custom call's type does not say so by itself); the operands are cast up to that too.
+    axes = frozenset().union(*(_varying(a) for a in args))
+    if axes:
+        args = tuple(
+            jax.lax.pcast(a, tuple(sorted(axes - _varying(a))), to="varying")
+            if axes - _varying(a) else a
+            for a in args
+        )  # fmt: skip
+    out = jax.ffi.ffi_call(target, results, vmap_method="sequential", input_output_aliases=aliases)(
+        *args, **attrs
+    )
+    if not axes:
+        return out
+    cast = lambda r: jax.lax.pcast(r, tuple(sorted(axes - _varying(r))), to="varying")  # noqa: E731
+    return tuple(cast(r) for r in out) if isinstance(out, tuple | list) else cast(out)
 
 
 # --- gather, pool, scatter ---------------------------------------------------------------------
