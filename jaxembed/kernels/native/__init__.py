@@ -143,7 +143,7 @@ def _call(target: str, results, *args, aliases=None, **attrs):
     )
     if not axes:
         return out
-    cast = lambda r: jax.lax.pcast(r, tuple(sorted(axes - _varying(r))), to="varying")  # noqa: E731
+    cast = lambda r: jax.lax.pcast(r, tuple(sorted(axes - _varying(r))), to="varying")
     return tuple(cast(r) for r in out) if isinstance(out, tuple | list) else cast(out)
 
 
