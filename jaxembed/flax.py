@@ -20,6 +20,7 @@ from flax.linen.linear import default_embed_init
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxembed import tape
 from jaxembed.kernels.arrays import is_explicit, warn_once
 from jaxembed.kernels.lookup import lookup
 from jaxembed.losses import Reduction, vocab_parallel_cross_entropy
@@ -35,7 +36,14 @@ from jaxembed.nnx import (
     tied_logits,
 )
 
-__all__ = ["Embed"]
+__all__ = [  # noqa: F822 (the collection and the training helpers load lazily)
+    "Embed",
+    "EmbeddingBagCollection",
+    "dense_mask",
+    "init_sparse",
+    "sparse_update",
+    "value_and_grad",
+]
 
 
 def _box_layout(box: Any) -> tuple[Any, P | None]:
@@ -229,12 +237,17 @@ class Embed(nn.Module):
             )
         (table,) = self.promote_dtype(self.embedding, dtype=self.dtype, inexact=False)
         mesh, spec = self.table_layout()
-        return lookup(
-            inputs, table, padding_idx=self.padding_idx, vocab_size=self.num_embeddings,
-            mesh=mesh, weight_spec=spec, x_hint=batch_hint(inputs_sharding, current_mesh(mesh)),
+        recording = tape.active() is not None
+        static = dict(
+            padding_idx=self.padding_idx, vocab_size=self.num_embeddings, mesh=mesh,
+            weight_spec=spec, x_hint=batch_hint(inputs_sharding, current_mesh(mesh)),
             out_spec=as_spec(out_sharding), exchange=self.gradient_exchange,
+        )  # fmt: skip
+        out = lookup(
+            inputs, jax.lax.stop_gradient(table) if recording else table, **static,
             function="jaxembed.flax.Embed", ids_advice=IDS_ADVICE, table_advice=_LINEN_TABLE_ADVICE,
         )  # fmt: skip
+        return tape.tap(self, "/".join(self.path), "embed", out, (inputs,), static)
 
     def attend(self, query: jax.Array, *, out_sharding: Any = None) -> jax.Array:
         """Logits `query @ embedding.T` over the real rows (the tied output head).
@@ -247,6 +260,7 @@ class Embed(nn.Module):
         Returns:
           `[*batch, num_embeddings]`.
         """
+        tape.refuse_dense_use(self, "jaxembed.flax.Embed.attend")
         query, table = self.promote_dtype(query, self.embedding, dtype=self.dtype)
         return tied_logits(query, table, self.num_embeddings, self.table_layout()[0], out_sharding)
 
@@ -277,6 +291,7 @@ class Embed(nn.Module):
         Returns:
           float32 per-token losses `[*tokens]`, or a scalar when reduced.
         """
+        tape.refuse_dense_use(self, "jaxembed.flax.Embed.cross_entropy")
         query, table = self.promote_dtype(query, self.embedding, dtype=self.dtype)
         mesh, spec = self.table_layout()
         return vocab_parallel_cross_entropy(
@@ -285,3 +300,15 @@ class Embed(nn.Module):
             label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index,
             vocab_chunk_size=vocab_chunk_size, reduction=reduction,
         )  # fmt: skip
+
+
+def __getattr__(name):
+    if name == "EmbeddingBagCollection":
+        from jaxembed.collection import linen
+
+        return linen.EmbeddingBagCollection
+    if name in ("value_and_grad", "init_sparse", "dense_mask", "sparse_update", "Grads"):
+        from jaxembed.training import linen as training_linen
+
+        return getattr(training_linen, name)
+    raise AttributeError(f"module 'jaxembed.flax' has no attribute {name!r}")

@@ -31,11 +31,20 @@ from flax.nnx.variablelib import VariableMetadata
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxembed import tape
 from jaxembed.kernels.arrays import is_explicit
 from jaxembed.kernels.lookup import lookup
 from jaxembed.losses import Reduction, vocab_parallel_cross_entropy
 
-__all__ = ["Embed", "EmbeddingBagCollection", "Table"]  # noqa: F822 (the collection: lazy)
+__all__ = [  # noqa: F822 (the collection and the training helpers load lazily)
+    "DENSE",
+    "Embed",
+    "EmbeddingBagCollection",
+    "Grads",
+    "SparseOptimizer",
+    "Table",
+    "value_and_grad",
+]
 
 
 # --- layouts from Flax metadata (shared with jaxembed.flax) --------------------------------
@@ -331,12 +340,17 @@ class Embed(nnx.Module):
             )
         (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
         mesh, spec = self.table_layout()
-        return lookup(
-            inputs, table, padding_idx=self.padding_idx, vocab_size=self.num_embeddings,
-            mesh=mesh, weight_spec=spec, x_hint=batch_hint(inputs_sharding, current_mesh(mesh)),
+        recording = tape.active() is not None
+        static = dict(
+            padding_idx=self.padding_idx, vocab_size=self.num_embeddings, mesh=mesh,
+            weight_spec=spec, x_hint=batch_hint(inputs_sharding, current_mesh(mesh)),
             out_spec=as_spec(out_sharding), exchange=self.gradient_exchange,
+        )  # fmt: skip
+        out = lookup(
+            inputs, jax.lax.stop_gradient(table) if recording else table, **static,
             function="jaxembed.nnx.Embed", ids_advice=IDS_ADVICE, table_advice=_NNX_TABLE_ADVICE,
         )  # fmt: skip
+        return tape.tap(self, "embed", "embed", out, (inputs,), static)
 
     def attend(self, query: jax.Array, out_sharding: Any = None) -> jax.Array:
         """Logits `query @ embedding.T` over the real rows (the tied output head).
@@ -353,6 +367,7 @@ class Embed(nnx.Module):
         Returns:
           `[*batch, num_embeddings]`.
         """
+        tape.refuse_dense_use(self, "jaxembed.nnx.Embed.attend")
         query, table = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
         return tied_logits(query, table, self.num_embeddings, self.table_layout()[0], out_sharding)
 
@@ -384,6 +399,7 @@ class Embed(nnx.Module):
         Returns:
           float32 per-token losses `[*tokens]`, or a scalar when reduced.
         """
+        tape.refuse_dense_use(self, "jaxembed.nnx.Embed.cross_entropy")
         query, table = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
         mesh, spec = self.table_layout()
         return vocab_parallel_cross_entropy(
@@ -400,4 +416,8 @@ def __getattr__(name):
         from jaxembed.collection import nnx as collection_nnx
 
         return getattr(collection_nnx, name)
+    if name in ("value_and_grad", "SparseOptimizer", "Grads", "DENSE"):
+        from jaxembed.training import nnx as training_nnx
+
+        return getattr(training_nnx, name)
     raise AttributeError(f"module 'jaxembed.nnx' has no attribute {name!r}")

@@ -93,9 +93,6 @@ def groups_of(layout: CollectionLayout, batch: Mapping[str, Any]) -> list[Group]
     missing = [f.name for f in layout.features if f.name not in batch]
     if missing:
         raise ValueError(f"the batch has no input for features {missing} (it has {sorted(batch)})")
-    extra = sorted(set(batch) - {f.name for f in layout.features})
-    if extra:
-        raise ValueError(f"the batch has inputs {extra} for no feature of the collection")
     keys: dict[tuple, list[str]] = {}
     for f in layout.features:
         kind, values, _, _ = _as_input(f.name, batch[f.name])
@@ -193,13 +190,15 @@ def collection_lookup(
     Args:
       layout: the collection's layout.
       stacks: each stack's physical table, by stack index.
-      batch: `{feature: ids [B] | ids [B, L] | (ids, weights) | Ragged}`.
+      batch: `{feature: ids [B] | ids [B, L] | (ids, weights) | Ragged}` (other keys, e.g.
+        dense features or labels, are left alone).
       mesh: the mesh (default the stacks' own or `jax.set_mesh`'s).
       x_spec: the dense ids' layout where it cannot be read (e.g. `P("data")`).
       exchange, capacity_factor, impl: as in `jaxembed.embedding_bag`, for every call.
     """
     outputs: dict[str, jax.Array] = {}
     groups = groups_of(layout, batch)
+    batch = {f.name: batch[f.name] for f in layout.features}  # other keys: not ours
     for name, value in batch.items():
         _check_ids(layout, name, value)
     for group in groups:
@@ -254,6 +253,7 @@ def collection_update(
     """
     stacks, states = dict(stacks), dict(states)
     groups = groups_of(layout, batch)
+    batch = {f.name: batch[f.name] for f in layout.features}
     per_stack: dict[int, int] = {}
     for g in groups:
         per_stack[g.stack] = per_stack.get(g.stack, 0) + 1

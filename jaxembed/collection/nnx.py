@@ -27,6 +27,7 @@ from flax.nnx.nn.linear import default_embed_init
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxembed import tape
 from jaxembed.collection.config import FeatureConfig, TableConfig
 from jaxembed.collection.layout import CollectionLayout, Stack, layout_collection
 from jaxembed.collection.lookup import collection_lookup, collection_update
@@ -36,20 +37,27 @@ from jaxembed.nnx import Table
 __all__ = ["EmbeddingBagCollection", "build_stack", "concat_features", "unstack"]
 
 
-def build_stack(layout: CollectionLayout, stack: Stack, values: Mapping[str, jax.Array]):
-    """The physical stack holding `values[name]` (each `[V, dim]` in id order) in its rows."""
-    out = jnp.zeros(stack.shape, stack.dtype)
+def build_stack(
+    layout: CollectionLayout, stack: Stack, values: Mapping[str, jax.Array], *, per_row=False
+):
+    """The physical stack holding `values[name]` (each `[V, dim]` in id order, or `[V]` with
+    `per_row`, a one-per-row optimizer state) in its rows."""
+    shape = stack.shape[:1] if per_row else stack.shape
+    out = jnp.zeros(shape, jnp.float32 if per_row else stack.dtype)
     for name in stack.tables:
         p = layout.placement(name)
         rows = p.stack_ids(np.arange(p.vocab_size, dtype=np.int32), stack.local_rows)
-        out = out.at[rows].set(jnp.asarray(values[name], stack.dtype))
+        out = out.at[rows].set(jnp.asarray(values[name], out.dtype))
     return out
 
 
 def unstack(layout: CollectionLayout, stacks: Mapping[int, jax.Array]) -> dict[str, jax.Array]:
-    """Each table in id order, `[V, dim]`, read out of the stacks (a gather: for export)."""
+    """Each table in id order, `[V, dim]` (or `[V]` for one-per-row state), read out of the
+    stacks (a gather: for export)."""
     out = {}
     for s in layout.stacks:
+        if s.index not in stacks:
+            continue
         for name in s.tables:
             p = layout.placement(name)
             rows = p.stack_ids(np.arange(p.vocab_size, dtype=np.int32), s.local_rows)
@@ -59,7 +67,8 @@ def unstack(layout: CollectionLayout, stacks: Mapping[int, jax.Array]) -> dict[s
                 continue
             sharding = jax.typeof(array).sharding
             if is_explicit(getattr(sharding, "mesh", None)):
-                out[name] = array.at[rows].get(out_sharding=P(None, s.spec[1]))
+                spec = P(None, s.spec[1]) if array.ndim == 2 else P(None)
+                out[name] = array.at[rows].get(out_sharding=NamedSharding(sharding.mesh, spec))
             else:
                 out[name] = jnp.take(array, rows, axis=0)
     return out
@@ -157,10 +166,16 @@ class EmbeddingBagCollection(nnx.Module):
           `{feature: [B, dim]}` for pooled features (`[*lead·B, dim]` for a `Ragged`), and
           `[B, L, dim]` for unpooled ones.
         """
-        return collection_lookup(
-            self.layout, self._stacks(), batch, mesh=self.mesh, x_spec=self.x_sharding,
+        recording = tape.active() is not None
+        stacks = self._stacks()
+        if recording:
+            stacks = jax.lax.stop_gradient(stacks)
+        out = collection_lookup(
+            self.layout, stacks, batch, mesh=self.mesh, x_spec=self.x_sharding,
             exchange=self.exchange,
         )  # fmt: skip
+        ours = {f.name: batch[f.name] for f in self.layout.features}
+        return tape.tap(self, "collection", "collection", out, ours, {})
 
     def concat(self, outputs: Mapping[str, jax.Array]) -> jax.Array:
         """The pooled features' outputs side by side, `[B, Σ dim]`, in feature order."""
@@ -172,6 +187,7 @@ class EmbeddingBagCollection(nnx.Module):
 
     def load_tables(self, values: Mapping[str, jax.Array]) -> None:
         """Sets every table from `{name: [vocab_size, dim]}` in id order (any layout)."""
+        values = {k: np.asarray(v) for k, v in values.items()}
         for s in self.layout.stacks:
             array = build_stack(self.layout, s, values)
             old = self.stacks[s.name][...]
@@ -185,6 +201,38 @@ class EmbeddingBagCollection(nnx.Module):
             s.index: optimizer.init(self.stacks[s.name][...], mesh=self.mesh, weight_spec=s.spec)
             for s in self.layout.stacks
         }
+
+    def export_optimizer(self, states: Mapping[int, Any]) -> dict[str, Any]:
+        """The optimizer states per table in id order, `{table: {"count", "slots": {...}}}`,
+        to checkpoint and `import_optimizer` onto any mesh or placement."""
+        out: dict[str, Any] = {}
+        for s in self.layout.stacks:
+            state = states[s.index]
+            for name, slot in state.slots.items():
+                for table, value in unstack(self.layout, {s.index: slot}).items():
+                    entry = out.setdefault(table, {"count": state.count, "slots": {}})
+                    entry["slots"][name] = value
+        return out
+
+    def import_optimizer(self, optimizer: Any, exported: Mapping[str, Any]) -> dict[int, Any]:
+        """States for this collection's layout from `export_optimizer`'s per-table form."""
+        states = self.init_optimizer(optimizer)
+        out = {}
+        for s in self.layout.stacks:
+            state = states[s.index]
+            slots = {}
+            for slot in optimizer.formula.slots:
+                values = {t: np.asarray(exported[t]["slots"][slot.name]) for t in s.tables}
+                array = build_stack(self.layout, s, values, per_row=slot.per_row)
+                old = state.slots[slot.name]
+                if isinstance(getattr(old, "sharding", None), NamedSharding):
+                    array = jax.device_put(array, old.sharding)
+                slots[slot.name] = array
+            count = np.asarray(exported[s.tables[0]]["count"], np.int32)
+            if isinstance(getattr(state.count, "sharding", None), NamedSharding):
+                count = jax.device_put(count, state.count.sharding)
+            out[s.index] = state._replace(slots=slots, count=jnp.asarray(count))
+        return out
 
     def apply_gradients(
         self,

@@ -128,6 +128,7 @@ class RowSparseOptimizer:
         per_id_weights: jax.Array | None = None,
         combiner: str | None = None,
         include_last_offset: bool = False,
+        x_hint: P | None = None,
     ) -> tuple[jax.Array, RowSparseState]:
         """Applies one step to the rows the batch touched: backward and update in one kernel.
 
@@ -150,6 +151,7 @@ class RowSparseOptimizer:
           gradient_exchange: the old name of `exchange`.
           lengths, offsets, per_id_weights, combiner, include_last_offset: the bag lookup's
             arguments; any of them makes this a bag update.
+          x_hint: a layout for the ids used where it divides (as the Flax modules' lookups).
 
         Returns:
           `(table, state)`, in their own layouts.
@@ -186,7 +188,8 @@ class RowSparseOptimizer:
             )
             return new_table, self._state(state, new_slots, overflow)
         weight_spec, x_spec = resolve_layouts(
-            ids, table, mesh, x_spec=x_spec, weight_spec=weight_spec, function="opt.update",
+            ids, table, mesh, x_spec=x_spec, weight_spec=weight_spec, x_hint=x_hint,
+            function="opt.update",
         )  # fmt: skip
         if weight_spec is None:
             raise ValueError(

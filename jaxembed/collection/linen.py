@@ -1,0 +1,122 @@
+"""`jaxembed.flax.EmbeddingBagCollection`: a collection of embedding tables as a Linen module.
+
+The Linen twin of `jaxembed.nnx.EmbeddingBagCollection` (see `jaxembed.collection.nnx`): the
+same tables, features, placements and stacks; its parameters are the stacks, each boxed in an
+`nn.Partitioned` that carries its layout (so `nn.get_sharding` gives the shardings to
+initialize it with), named as the stacks (`stack0_dim64_rows_dataxmodel`, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+from flax.linen.linear import default_embed_init
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxembed import tape
+from jaxembed.collection.config import FeatureConfig, TableConfig
+from jaxembed.collection.layout import CollectionLayout, layout_collection
+from jaxembed.collection.lookup import collection_lookup
+from jaxembed.collection.nnx import build_stack, concat_features
+from jaxembed.kernels.arrays import is_explicit
+
+__all__ = ["EmbeddingBagCollection"]
+
+
+def _mesh(mesh: Any) -> Any:
+    if mesh is not None:
+        return mesh
+    ctx = jax.sharding.get_abstract_mesh()
+    return None if ctx.empty else ctx
+
+
+class EmbeddingBagCollection(nn.Module):
+    """Embedding tables and the sparse features that read them, placed over a mesh (Linen).
+
+    Attributes:
+      tables, features, mesh, placements, x_sharding, exchange: as
+        `jaxembed.nnx.EmbeddingBagCollection`'s arguments.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxembed, jaxembed.flax
+      >>> tables = [jaxembed.TableConfig("item", 100, 8, placement="rows")]
+      >>> features = [jaxembed.FeatureConfig("clicked", "item", combiner="mean")]
+      >>> coll = jaxembed.flax.EmbeddingBagCollection(tables, features)
+      >>> batch = {"clicked": jnp.array([[1, 2, -1]] * 8)}
+      >>> with jax.set_mesh(jax.make_mesh((8,), ("data",))):
+      ...     variables = coll.init(jax.random.key(0), batch)
+      ...     out = coll.apply(variables, batch)
+      >>> out["clicked"].shape, list(variables["params"])
+      ((8, 8), ['stack0_dim8_rows_data'])
+    """
+
+    tables: Sequence[TableConfig]
+    features: Sequence[FeatureConfig]
+    mesh: Any = None
+    placements: Any = None
+    x_sharding: Any = None
+    exchange: str = "auto"
+
+    @property
+    def layout(self) -> CollectionLayout:
+        placements = getattr(self.placements, "placements", self.placements)
+        return layout_collection(self.tables, self.features, _mesh(self.mesh), placements)
+
+    def _stack_params(self) -> dict[int, jax.Array]:
+        layout = self.layout
+        out = {}
+        for s in layout.stacks:
+            if self.has_variable("params", s.name):
+                box = self.get_variable("params", s.name)
+            else:
+                box = self.param(s.name, self._init_stack(layout, s.index))
+            out[s.index] = box.value if isinstance(box, nn.Partitioned) else box
+        return out
+
+    def _init_stack(self, layout: CollectionLayout, index: int):
+        stack = layout.stacks[index]
+        configs = {t.name: t for t in self.tables}
+        order = {t.name: i for i, t in enumerate(self.tables)}
+
+        def init(key):
+            values = {}
+            for name in stack.tables:
+                t = configs[name]
+                init_fn = t.initializer or default_embed_init
+                values[name] = init_fn(
+                    jax.random.fold_in(key, order[name]), (t.vocab_size, t.dim), t.dtype
+                )
+            array = build_stack(layout, stack, values)
+            mesh = _mesh(self.mesh)
+            if mesh is None:
+                return array
+            if is_explicit(mesh):  # born in its layout, as jaxembed.flax.Embed's table
+                array = jax.sharding.reshard(array, NamedSharding(mesh, stack.spec))
+            return nn.Partitioned(array, names=tuple(stack.spec), mesh=None)
+
+        return init
+
+    @nn.compact
+    def __call__(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
+        """Every feature's output (see `jaxembed.nnx.EmbeddingBagCollection.__call__`)."""
+        stacks = self._stack_params()
+        if tape.active() is not None:
+            stacks = jax.lax.stop_gradient(stacks)
+        x_spec = None if self.x_sharding is None else P(*self.x_sharding)
+        out = collection_lookup(
+            self.layout, stacks, batch, mesh=_mesh(self.mesh), x_spec=x_spec,
+            exchange=self.exchange,
+        )  # fmt: skip
+        static = {"layout": self.layout, "mesh": _mesh(self.mesh), "x_spec": x_spec,
+                  "exchange": self.exchange}  # fmt: skip
+        ours = {f.name: batch[f.name] for f in self.layout.features}
+        return tape.tap(self, "/".join(self.path), "collection", out, ours, static)
+
+    def concat(self, outputs: Mapping[str, jax.Array]) -> jax.Array:
+        """The pooled features' outputs side by side, `[B, Σ dim]`, in feature order."""
+        return concat_features(self.layout, outputs)
