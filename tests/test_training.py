@@ -51,7 +51,7 @@ def loss_fn(model, batch):
 
 
 def make_batch(rng, mesh):
-    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))  # noqa: E731
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, P("data")))
     return {
         "clicked": put(rng.integers(-1, 100, (8, 5)).astype(np.int32)),
         "country": put(rng.integers(0, 10, (8,)).astype(np.int32)),

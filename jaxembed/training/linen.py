@@ -120,7 +120,7 @@ def init_sparse(optimizer: Any, fn: Callable[..., Any], params: Any, *args, **kw
             states[record.key] = {
                 s.index: optimizer.init(
                     tables[s.index], mesh=record.static["mesh"], weight_spec=s.spec
-                )  # fmt: skip
+                )
                 for s in layout.stacks
             }
     return states
