@@ -238,9 +238,10 @@ class RowSparseOptimizer:
     def plan(self, *args, **kwargs) -> EmbeddingPlan:
         """`jaxembed.plan_embedding(..., update=True)` (or `plan_embedding_bag` when `num_bags`
         or `combiner` is given): the collectives and exchange `update` runs."""
+        slots = tuple(s.per_row for s in self.formula.slots)
         if "combiner" in kwargs or "num_bags" in kwargs:
-            return plan_embedding_bag(*args, update=True, **kwargs)
-        return plan_embedding(*args, update=True, **kwargs)
+            return plan_embedding_bag(*args, update=True, optimizer_slots=slots, **kwargs)
+        return plan_embedding(*args, update=True, optimizer_slots=slots, **kwargs)
 
 
 def _place(a: jax.Array, mesh: Any, spec: P) -> jax.Array:

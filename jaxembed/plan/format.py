@@ -84,10 +84,18 @@ def format_plan(plan: EmbeddingPlan) -> str:
                 f"  {mark}{c.name:<10}{format_bytes(c.wire_bytes):>12}{c.rows_gathered:>15}"
                 f"{c.rows_scattered:>16}{c.modelled_ms:>13.3f}"
             )
+    if plan.for_update:
+        lines.append(
+            f"  row-sparse update: the backward's collectives; each device updates at most "
+            f"{m.touched_rows} rows in place (buffers {format_bytes(m.update_buffers)}"
+            + (f", optimizer state {format_bytes(m.state_bytes)}" if m.state_bytes else "")
+            + "), no table-sized buffer"
+        )
     lines.append(
         f"  memory per device: table shard {format_bytes(m.table_shard)}, "
         f"ids {format_bytes(m.ids)}, out {format_bytes(m.out)}, "
-        f"weight_grad f32 {format_bytes(m.weight_grad_f32)}, "
-        f"exchange buffers {format_bytes(m.exchange_buffers)}"
+        + (f"weight_grad f32 {format_bytes(m.weight_grad_f32)}, " if not plan.for_update else "")
+        + f"exchange buffers {format_bytes(m.exchange_buffers)}"
     )
+    lines.append(f"  kernels: {plan.impl}")
     return "\n".join(lines)

@@ -99,6 +99,7 @@ def plan_embedding(
     capacity: int | None = None,
     capacity_factor: float | None = None,
     impl: str = "auto",
+    optimizer_slots: Sequence[bool] = (),
 ) -> EmbeddingPlan:
     """Plans a sharded lookup `weight[x]` and its gradient on `mesh`.
 
@@ -126,6 +127,9 @@ def plan_embedding(
       impl: the shard-local kernels: `"xla"`, `"native"` (the C++ kernels of
         `jaxembed.kernels.native`, CPU only) or `"auto"` (native on CPU when they are
         available, else XLA).
+      optimizer_slots: for an update plan, whether each of the optimizer's state slots is
+        one float per row (True) or per element (False), for `memory.state_bytes` and
+        `memory.update_buffers` (`RowSparseOptimizer.plan` passes them).
 
     Returns:
       An `EmbeddingPlan`.
@@ -152,6 +156,7 @@ def plan_embedding(
         exchange=_exchange_arg(exchange, gradient_exchange), row_sharding=row_sharding,
         backend=backend, bag=None, lengths_spec=None, weights_spec=None, update=update,
         capacity=capacity, capacity_factor=capacity_factor, impl=impl,
+        optimizer_slots=optimizer_slots,
     )  # fmt: skip
 
 
@@ -179,6 +184,7 @@ def plan_embedding_bag(
     capacity: int | None = None,
     capacity_factor: float | None = None,
     impl: str = "auto",
+    optimizer_slots: Sequence[bool] = (),
 ) -> EmbeddingPlan:
     """Plans a sharded bag lookup (`jaxembed.embedding_bag`) and its gradient on `mesh`.
 
@@ -189,8 +195,8 @@ def plan_embedding_bag(
 
     Args:
       mesh, weight_shape, weight_spec, out_spec, padding_idx, vocab_size, dtype, ids_dtype,
-        exchange, row_sharding, backend, update, capacity, capacity_factor, impl: as in
-        `plan_embedding`.
+        exchange, row_sharding, backend, update, capacity, capacity_factor, impl,
+        optimizer_slots: as in `plan_embedding`.
       x_shape: the ids: `[*batch, L]` (dense form, a bag per row) when `num_bags` is None,
         else `[*lead, N]` (flat form, `num_bags` bags per lead element read in order).
       num_bags: None for the dense form; B of the flat form (lengths are `[*lead, B]`).
@@ -232,7 +238,7 @@ def plan_embedding_bag(
         exchange=exchange, row_sharding=row_sharding, backend=backend, bag=bag,
         lengths_spec=lengths_spec if form == "flat" else None,
         weights_spec=weights_spec if weighted else None, update=update, capacity=capacity,
-        capacity_factor=capacity_factor, impl=impl,
+        capacity_factor=capacity_factor, impl=impl, optimizer_slots=optimizer_slots,
     )  # fmt: skip
 
 
@@ -249,7 +255,8 @@ def _exchange_arg(exchange: Any, gradient_exchange: Any) -> Any:
 
 def _plan(mesh, x_shape, weight_shape, *, x_spec, weight_spec, out_spec, padding_idx,
           vocab_size, dtype, ids_dtype, exchange, row_sharding, backend, bag, lengths_spec,
-          weights_spec, update, capacity, capacity_factor, impl) -> EmbeddingPlan:  # fmt: skip
+          weights_spec, update, capacity, capacity_factor, impl,
+          optimizer_slots) -> EmbeddingPlan:  # fmt: skip
     names = layout.axis_names_of(mesh)
     sizes = dict(zip(names, mesh_sizes(mesh), strict=True))
     return _plan_cached(
@@ -274,6 +281,7 @@ def _plan(mesh, x_shape, weight_shape, *, x_spec, weight_spec, out_spec, padding
         capacity,
         capacity_factor,
         resolve_impl(impl, backend or backend_of(mesh)),
+        tuple(bool(x) for x in optimizer_slots),
     )
 
 
@@ -281,7 +289,7 @@ def _plan(mesh, x_shape, weight_shape, *, x_spec, weight_spec, out_spec, padding
 def _plan_cached(
     mesh_axes, explicit, x_shape, weight_shape, x_spec, weight_spec, out_spec, padding_idx,
     vocab_size, dtype, ids_dtype, exchange, row_sharding, backend, bag, lengths_spec,
-    weights_spec, update, capacity, capacity_factor, impl,
+    weights_spec, update, capacity, capacity_factor, impl, optimizer_slots,
 ) -> EmbeddingPlan:  # fmt: skip
     names = tuple(n for n, _ in mesh_axes)
     sizes = dict(mesh_axes)
@@ -455,12 +463,19 @@ def _plan_cached(
 
     grad_shard_shape = (num_rows // prod(row_axes, sizes), out_kept_local[-1])
     grad_shard = math.prod(grad_shard_shape) * GRAD_ACCUM_BYTES
+    touched = next(c.rows_scattered for c in candidates if c.name == exchange)
+    h_local = out_kept_local[-1]
+    per_element = sum(1 for per_row in optimizer_slots if not per_row)
+    per_row = len(optimizer_slots) - per_element
     memory = MemoryEstimate(
         table_shard=grad_shard // GRAD_ACCUM_BYTES * e,
         ids=math.prod(ids_local) * e_ids,
         out=math.prod(out_kept_local) * e,
-        weight_grad_f32=grad_shard,
+        weight_grad_f32=0 if update else grad_shard,
         exchange_buffers=exchange_buffers,
+        touched_rows=touched,
+        update_buffers=(touched * (h_local * (2 + per_element) + per_row) * 4) if update else 0,
+        state_bytes=grad_shard_shape[0] * (h_local * per_element + per_row) * 4,
     )
     return EmbeddingPlan(
         mesh_axes=tuple(mesh_axes),

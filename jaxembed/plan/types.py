@@ -99,7 +99,13 @@ class MemoryEstimate:
       weight_grad_f32: the gradient shard, accumulated in float32.
       exchange_buffers: the gathered ids and output gradients of the rows exchange, or the
         routed exchange's send and receive buffers (0 for the dense exchange).
-      peak_backward: (property) `weight_grad_f32 + exchange_buffers + out`.
+      touched_rows: the id slots one device scatters (a gradient) or updates (a row-sparse
+        update): an upper bound on the distinct rows it touches.
+      update_buffers: a row-sparse update's buffers: the touched rows, their gradients and
+        their optimizer state, float32 (0 for a gradient plan; it builds `weight_grad_f32`).
+      state_bytes: the optimizer state's shard (0 unless the plan was made for an update with
+        its optimizer's slots).
+      peak_backward: (property) `weight_grad_f32 + update_buffers + exchange_buffers + out`.
 
     Examples:
       >>> import jax, jaxembed
@@ -116,10 +122,13 @@ class MemoryEstimate:
     out: int
     weight_grad_f32: int
     exchange_buffers: int
+    touched_rows: int = 0
+    update_buffers: int = 0
+    state_bytes: int = 0
 
     @property
     def peak_backward(self) -> int:
-        return self.weight_grad_f32 + self.exchange_buffers + self.out
+        return self.weight_grad_f32 + self.update_buffers + self.exchange_buffers + self.out
 
 
 @dataclasses.dataclass(frozen=True)
