@@ -434,3 +434,17 @@ def test_plan_prints_a_table():
         out_spec=P("data", "model", None),
     )  # fmt: skip
     hash(plan)
+
+
+def test_no_involuntary_rematerialization(capfd):
+    """The kernels move the ids themselves: XLA never reshards them by replicating them
+    ("Involuntary full rematerialization"), on any layout of the matrix, in either mesh type."""
+    for layout, (mesh_shape, w_spec, x_spec, out_spec, ids_shape) in LAYOUTS.items():
+        for axis_type in (AxisType.Explicit, AxisType.Auto):
+            mesh = make_mesh(mesh_shape, axis_type)
+            ids, table, ct = make_inputs(
+                np.random.default_rng(0), ids_shape, vocab_size=VOCAB_ROWS, padding_idx=None
+            )
+            run_lookup(mesh, ids, table, ct, x_spec=x_spec, weight_spec=w_spec, out_spec=out_spec)
+        err = capfd.readouterr().err
+        assert "nvoluntary full rematerialization" not in err, (layout, err[-2000:])
