@@ -23,6 +23,10 @@ _LAZY = {
     "plan_embedding_bag": "jaxembed.plan",
     "optim": "jaxembed.optim",
     "TableConfig": "jaxembed.collection",
+    "plan_collection": "jaxembed.plan.collection",
+    "CollectionPlan": "jaxembed.plan.collection",
+    "id_stats": "jaxembed.plan.idstats",
+    "IdStats": "jaxembed.plan.idstats",
     "FeatureConfig": "jaxembed.collection",
     "LookupStats": "jaxembed.kernels.lookup",
     "to_mod_order": "jaxembed.rowsharding",
@@ -35,8 +39,10 @@ _LAZY = {
 }
 
 __all__ = [
+    "CollectionPlan",
     "EmbeddingPlan",
     "FeatureConfig",
+    "IdStats",
     "LookupStats",
     "Ragged",
     "TableConfig",
@@ -45,7 +51,9 @@ __all__ = [
     "embedding",
     "embedding_bag",
     "from_mod_order",
+    "id_stats",
     "optim",
+    "plan_collection",
     "plan_cross_entropy",
     "plan_embedding",
     "plan_embedding_bag",

@@ -122,8 +122,17 @@ def _add_plan_parser(sub) -> None:
         "joined by '+' for an axis split over several mesh axes (major first).",
     )
     p.add_argument("--mesh", type=parse_mesh, required=True, help="e.g. data=2,model=4")
-    p.add_argument("--ids", type=parse_shape, required=True, help="ids shape, e.g. 16x128")
-    p.add_argument("--table", type=parse_shape, required=True, help="table shape, e.g. 65536x128")
+    p.add_argument("--ids", type=parse_shape, default=None, help="ids shape, e.g. 16x128")
+    p.add_argument("--table", type=parse_shape, default=None, help="table shape, e.g. 65536x128")
+    coll = p.add_argument_group(
+        "a collection of tables (jaxembed.plan.collection.plan_collection; docs/planner.md)"
+    )
+    coll.add_argument("--tables", default=None, help="TABLES.json: the tables and features")
+    coll.add_argument("--batch", type=int, default=None, help="global batch size, e.g. 4096")
+    coll.add_argument("--memory", default=None, help="budget per device, e.g. 2GiB")
+    coll.add_argument("--batch-axes", default=None, help="mesh axes of the batch (default all)")
+    coll.add_argument("--backend", choices=("cpu", "gpu", "tpu"), default=None,
+                      help="cost constants (default: this machine's)")  # fmt: skip
     p.add_argument("--ids-spec", default=None, help="e.g. data (default: replicated)")
     p.add_argument("--table-spec", default=None, help="e.g. model,None (default: replicated)")
     p.add_argument("--out-spec", default=None, help="e.g. data,model,None (default: derived)")
@@ -147,6 +156,14 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     from jaxembed.plan import plan_embedding
 
+    if args.tables is not None:
+        from jaxembed.plan.collection_format import run_plan_tables
+
+        return run_plan_tables(args)
+    if args.ids is None or args.table is None:
+        why = "give --ids and --table (one lookup) or --tables (a collection)"
+        print(f"jaxembed plan: error: {why}", file=sys.stderr)
+        return 2
     names, sizes = args.mesh
     axis_type = AxisType.Explicit if args.axis_types == "explicit" else AxisType.Auto
     mesh = AbstractMesh(sizes, names, axis_types=(axis_type,) * len(names))

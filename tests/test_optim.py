@@ -7,6 +7,8 @@ are bitwise unchanged, and that the compiled update holds no table-sized buffer 
 donated table and state.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -237,10 +239,33 @@ def test_update_plan_collectives_are_the_compiled_ones():
     text = jax.jit(opt.update).lower(table, state, ids, g).compile().as_text()
     plan = opt.plan(mesh, (8, 8), (ROWS, HIDDEN), x_spec=P("data"), weight_spec=P("model", None))
     assert plan.exchange == "rows" and plan.for_update
-    update_only = plan.__class__.__new__(plan.__class__)
-    update_only.__dict__.update(plan.__dict__)
-    object.__setattr__(update_only, "forward", ())  # the update runs no forward collective
+    update_only = dataclasses.replace(plan, forward=())  # the update runs no forward collective
     check_hlo_against_plan(update_only, text, mesh)
+
+
+@pytest.mark.parametrize(
+    ("w_spec", "x_spec", "combiner"),
+    [
+        (P(None, "model"), P("data"), None),  # a one-per-row state: row sums over `model`
+        (P("model", None), P(None, "data"), None),  # the ids move into the update's body
+        (P("model", None), P("data"), "max"),  # the winners are recomputed
+        (P("model", None), P("model"), None),  # routed
+    ],
+)
+def test_update_plans_list_every_collective(w_spec, x_spec, combiner):
+    mesh = make_mesh((2, 4), AxisType.Explicit)
+    opt = jaxembed.optim.rowwise_adagrad(0.1)
+    table = put(np.zeros((ROWS, HIDDEN), np.float32), mesh, w_spec)
+    ids = put(np.zeros((8, 8), np.int32), mesh, x_spec)
+    kw = {"combiner": combiner} if combiner else {}
+    plan = opt.plan(mesh, (8, 8), (ROWS, HIDDEN), x_spec=x_spec, weight_spec=w_spec, **kw)
+    g = put(np.zeros((8, HIDDEN) if combiner else (8, 8, HIDDEN), np.float32), mesh,
+            plan.out_spec)  # fmt: skip
+    state = opt.init(table)
+    f = lambda t, s, i, g: opt.update(t, s, i, g, **kw)  # noqa: E731
+    text = jax.jit(f).lower(table, state, ids, g).compile().as_text()
+    check_hlo_against_plan(dataclasses.replace(plan, forward=()), text, mesh,
+                           extra_kinds={"pmax": "all-reduce", "pmin": "all-reduce"})  # fmt: skip
 
 
 def test_dense_exchange_is_refused():

@@ -15,8 +15,6 @@ from jaxembed.collection.layout import CollectionLayout as CollectionLayout
 from jaxembed.collection.layout import Stack as Stack
 from jaxembed.collection.layout import TablePlacement as TablePlacement
 from jaxembed.collection.layout import layout_collection as layout_collection
-from jaxembed.collection.lookup import collection_lookup as collection_lookup
-from jaxembed.collection.lookup import collection_update as collection_update
 
 __all__ = [
     "PLACEMENTS",
@@ -29,3 +27,13 @@ __all__ = [
     "collection_update",
     "layout_collection",
 ]
+
+
+def __getattr__(name):
+    # The lookups import the kernels: loaded on first use, so that the planner (which reads
+    # configs and layouts only) stays below them.
+    if name in ("collection_lookup", "collection_update"):
+        from jaxembed.collection import lookup
+
+        return getattr(lookup, name)
+    raise AttributeError(f"module 'jaxembed.collection' has no attribute {name!r}")

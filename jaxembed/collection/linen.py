@@ -21,7 +21,7 @@ from jaxembed import tape
 from jaxembed.collection.config import FeatureConfig, TableConfig
 from jaxembed.collection.layout import CollectionLayout, layout_collection
 from jaxembed.collection.lookup import collection_lookup
-from jaxembed.collection.nnx import build_stack, concat_features
+from jaxembed.collection.nnx import build_stack, concat_features, planned
 from jaxembed.kernels.arrays import is_explicit
 
 __all__ = ["EmbeddingBagCollection"]
@@ -65,7 +65,12 @@ class EmbeddingBagCollection(nn.Module):
     @property
     def layout(self) -> CollectionLayout:
         placements = getattr(self.placements, "placements", self.placements)
-        return layout_collection(self.tables, self.features, _mesh(self.mesh), placements)
+        tables, _ = planned(self.tables, self.placements, self.exchange)
+        return layout_collection(tables, self.features, _mesh(self.mesh), placements)
+
+    @property
+    def _exchange(self) -> Any:
+        return planned(self.tables, self.placements, self.exchange)[1]
 
     def _stack_params(self) -> dict[int, jax.Array]:
         layout = self.layout
@@ -80,8 +85,9 @@ class EmbeddingBagCollection(nn.Module):
 
     def _init_stack(self, layout: CollectionLayout, index: int):
         stack = layout.stacks[index]
-        configs = {t.name: t for t in self.tables}
-        order = {t.name: i for i, t in enumerate(self.tables)}
+        tables, _ = planned(self.tables, self.placements, self.exchange)
+        configs = {t.name: t for t in tables}
+        order = {t.name: i for i, t in enumerate(tables)}
 
         def init(key):
             values = {}
@@ -110,10 +116,10 @@ class EmbeddingBagCollection(nn.Module):
         x_spec = None if self.x_sharding is None else P(*self.x_sharding)
         out = collection_lookup(
             self.layout, stacks, batch, mesh=_mesh(self.mesh), x_spec=x_spec,
-            exchange=self.exchange,
+            exchange=self._exchange,
         )  # fmt: skip
         static = {"layout": self.layout, "mesh": _mesh(self.mesh), "x_spec": x_spec,
-                  "exchange": self.exchange}  # fmt: skip
+                  "exchange": self._exchange}  # fmt: skip
         ours = {f.name: batch[f.name] for f in self.layout.features}
         return tape.tap(self, "/".join(self.path), "collection", out, ours, static)
 

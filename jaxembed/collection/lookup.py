@@ -194,7 +194,8 @@ def collection_lookup(
         dense features or labels, are left alone).
       mesh: the mesh (default the stacks' own or `jax.set_mesh`'s).
       x_spec: the dense ids' layout where it cannot be read (e.g. `P("data")`).
-      exchange, capacity_factor, impl: as in `jaxembed.embedding_bag`, for every call.
+      exchange, capacity_factor, impl: as in `jaxembed.embedding_bag`, for every call
+        (`exchange` may be a mapping from stack index to exchange).
     """
     outputs: dict[str, jax.Array] = {}
     groups = groups_of(layout, batch)
@@ -207,11 +208,17 @@ def collection_lookup(
         out = embedding_bag(
             ids, stacks[group.stack], lengths=lengths, per_id_weights=weights,
             combiner=group.combiner, vocab_size=stack.shape[0], mesh=mesh,
-            x_spec=_spec(x_spec, ids), weight_spec=stack.spec, exchange=exchange,
-            capacity_factor=capacity_factor, check_ids=False, impl=impl,
+            x_spec=_spec(x_spec, ids), weight_spec=stack.spec,
+            exchange=_exchange(exchange, group.stack), capacity_factor=capacity_factor,
+            check_ids=False, impl=impl,
         )  # fmt: skip
         outputs.update(_split(out, pieces, group.kind))
     return {f.name: outputs[f.name] for f in layout.features}
+
+
+def _exchange(exchange: Any, stack: int) -> str:
+    """A stack's exchange: one for all, or per stack index (a `CollectionPlan`'s choice)."""
+    return exchange.get(stack, "auto") if isinstance(exchange, Mapping) else exchange
 
 
 def _spec(x_spec: P | None, ids: jax.Array) -> P | None:
@@ -272,8 +279,8 @@ def collection_update(
         stacks[group.stack], states[group.stack] = optimizer.update(
             stacks[group.stack], states[group.stack], ids, out_grad, lengths=lengths,
             per_id_weights=weights, combiner=group.combiner, vocab_size=stack.shape[0],
-            mesh=mesh, x_spec=_spec(x_spec, ids), weight_spec=stack.spec, exchange=exchange,
-            capacity_factor=capacity_factor, impl=impl,
+            mesh=mesh, x_spec=_spec(x_spec, ids), weight_spec=stack.spec,
+            exchange=_exchange(exchange, group.stack), capacity_factor=capacity_factor, impl=impl,
         )  # fmt: skip
     return stacks, states
 

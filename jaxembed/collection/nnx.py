@@ -80,6 +80,21 @@ def concat_features(layout: CollectionLayout, outputs: Mapping[str, jax.Array]) 
     return jnp.concatenate(pooled, axis=-1)
 
 
+def planned(tables: Sequence[TableConfig], placements: Any, exchange: Any):
+    """The tables and exchange a `jaxembed.plan_collection` result chose (else as given)."""
+    configs = getattr(placements, "table_configs", None)
+    if configs is None:
+        return tuple(tables), exchange
+    by_stack: dict[int, set[str]] = {}
+    for call in placements.calls:  # "none": nothing to exchange, whatever is asked
+        by_stack.setdefault(call.stack, set()).add(
+            "rows" if call.exchange == "none" else call.exchange
+        )
+    if exchange == "auto":
+        exchange = {s: e.pop() for s, e in by_stack.items() if len(e) == 1}
+    return tuple(configs), exchange
+
+
 def _mesh(mesh: Any) -> Any:
     if mesh is not None:
         return mesh
@@ -99,9 +114,9 @@ class EmbeddingBagCollection(nnx.Module):
       tables: `TableConfig`s.
       features: `FeatureConfig`s.
       mesh: the mesh; default `jax.set_mesh`'s (None: one device, all replicated).
-      placements: placements for tables whose config says `"auto"` (or a
-        `jaxembed.plan_collection` result's `.placements`); without any, `"auto"` tables are
-        split by rows over the whole mesh.
+      placements: placements for tables whose config says `"auto"`, or a
+        `jaxembed.plan_collection` result (its placements, row shardings and each stack's
+        exchange); without any, `"auto"` tables are split by rows over the whole mesh.
       x_sharding: the dense inputs' layout where it cannot be read (under `jit` in an Auto
         mesh), e.g. `P("data")`.
       exchange: the lookups' exchange (`"auto"`, `"rows"`, `"routed"`, ...).
@@ -135,6 +150,7 @@ class EmbeddingBagCollection(nnx.Module):
         rngs: nnx.Rngs,
     ):
         mesh = _mesh(mesh)
+        tables, exchange = planned(tables, placements, exchange)
         self.layout = layout_collection(tables, features, mesh, getattr(
             placements, "placements", placements))  # fmt: skip
         self.mesh = mesh

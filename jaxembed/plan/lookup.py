@@ -27,6 +27,7 @@ hidden axis, in phases (one function each below):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence
@@ -460,6 +461,11 @@ def _plan_cached(
         backward = [*grad_collectives, *routed.backward]
     else:
         routed = None
+    if update:  # the update starts from the ids as given, and may sum rows over K
+        backward = _update_collectives(
+            operands, sizes, backward, optimizer_slots, hidden_axes, is_max, forward,
+            next(c.rows_scattered for c in candidates if c.name == exchange),
+        )  # fmt: skip
 
     grad_shard_shape = (num_rows // prod(row_axes, sizes), out_kept_local[-1])
     grad_shard = math.prod(grad_shard_shape) * GRAD_ACCUM_BYTES
@@ -516,6 +522,29 @@ def _plan_cached(
         routed=routed,
         impl=impl,
     )
+
+
+def _update_collectives(operands, sizes, backward, optimizer_slots, hidden_axes, is_max,
+                        forward, touched) -> list[Collective]:  # fmt: skip
+    """A row-sparse update's collectives: the ids' moves into its body, a max bag's winners
+    (recomputed: the forward's pmax and pmin), the backward's, and the `psum` over the
+    hidden axes of each touched row's sum of g² for a one-per-row state."""
+    moves = [
+        c for op in operands for c in move_collectives(
+            "backward", op.name, local_shape(op.shape, spec_entries(op.given), sizes),
+            op.moves, sizes, op.dtype, f"the update moves {op.name} into its body",
+        )
+    ]  # fmt: skip
+    winners = [dataclasses.replace(c, phase="backward") for c in forward
+               if is_max and c.op in ("pmax", "pmin")]  # fmt: skip
+    rows = []
+    if hidden_axes and any(optimizer_slots):
+        k = prod(hidden_axes, sizes)
+        wire = cost.ring_wire_bytes("all-reduce", k, touched * GRAD_ACCUM_BYTES)
+        why = "each touched row's sum of g² over the split hidden axis (one-per-row state)"
+        rows.append(collective("backward", "psum", hidden_axes, "row_sum", (touched,),
+                               "float32", wire, why))  # fmt: skip
+    return [*moves, *winners, *backward, *rows]
 
 
 def _routed_option(*, scatters, batch_axes, row_axes, operands, ids_entries, sizes, dtype,

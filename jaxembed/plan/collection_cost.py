@@ -1,0 +1,394 @@
+"""The modelled step and memory of one layout of a collection: the planner's inner loop.
+
+A layout (`jaxembed.collection.layout_collection`) makes one `embedding_bag` call per stack
+and combiner (max-pooled features apart), exactly as `jaxembed.collection.lookup` runs it:
+the features' dense ids side by side, `[batch, Σ max_ids]`, one bag per pooled feature and
+one per slot of an unpooled one, weighted (the combiners' per-slot factors), lengths made
+on the device (replicated). Each call is planned with `plan_embedding_bag(..., update=True)`
+once per exchange that applies, and per device:
+
+    time   = Σ calls  the plan's modelled ms of the cheapest exchange (lookup and backward:
+                      wire bytes / link + rows touched · row bytes / memory + latency per
+                      collective), + what the row-sparse update sends besides (the ids
+                      moved into its body again; a per-row state's row sum over a split
+                      hidden axis), + moving the output to the batch layout and its
+                      gradient back where the lookup leaves it elsewhere (columns)
+           + max over devices of the optimizer state its update reads and writes
+             (distinct rows it owns × state bytes per row × 2 / memory bandwidth)
+    memory = the stacks' shards and optimizer state (padded as allocated)
+           + every call's output and output gradient + the largest call's ids, weights
+             and exchange buffers.
+
+The routed exchange is charged its exact fallback (the gather path) when the busiest
+owner's expected distinct ids exceed its static capacity: then nearly every step falls back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxembed.collection.config import FeatureConfig, TableConfig
+from jaxembed.collection.layout import CollectionLayout, Stack, layout_collection
+from jaxembed.plan import cost
+from jaxembed.plan.idstats import IdStats, distinct_draws, effective_vocab
+from jaxembed.plan.lookup import plan_embedding_bag
+from jaxembed.plan.types import EmbeddingPlan
+
+__all__ = ["CallCost", "Context", "LayoutCost", "LayoutError", "evaluate"]
+
+
+class LayoutError(ValueError):
+    """A placement the mesh or the table's axes do not allow (the planner skips it)."""
+
+
+@dataclasses.dataclass
+class Context:
+    """What every evaluation shares (internal): the mesh, the batch, the cost constants."""
+
+    mesh: Any
+    sizes: dict[str, int]
+    batch_size: int
+    batch_axes: tuple[str, ...]
+    state_slots: tuple[bool, ...]  # per optimizer slot: one float per row (True) or per element
+    stats: IdStats | None
+    constants: cost.CostConstants
+    plans: dict = dataclasses.field(default_factory=dict)  # per-call plan options, cached
+    evaluations: int = 0
+
+    @property
+    def x_spec(self) -> P:
+        return P(_entry(self.batch_axes))
+
+    @property
+    def out_spec(self) -> P:
+        return P(_entry(self.batch_axes), None, None)
+
+    def mean_ids(self, f: FeatureConfig) -> float:
+        """A feature's ids per bag: measured, else every slot full."""
+        cap = f.max_ids or 1
+        if self.stats is None or f.name not in self.stats.ids_per_bag:
+            return float(cap)
+        return min(float(cap), self.stats.ids_per_bag[f.name])
+
+    def vocab_eff(self, t: TableConfig) -> float:
+        """The uniform vocabulary that repeats ids as the sample did (default: the table's)."""
+        s = self.stats
+        if s is None or t.name not in s.ids_per_batch:
+            return float(t.vocab_size)
+        return effective_vocab(s.ids_per_batch[t.name], s.unique_per_batch[t.name], t.vocab_size)
+
+
+def _entry(axes: Sequence[str]) -> Any:
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _norm(spec: P, rank: int) -> tuple:
+    parts = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+    return tuple(parts + [()] * (rank - len(parts)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Option:
+    """One exchange of one call, from its plan (cached across layouts)."""
+
+    name: str
+    plan: EmbeddingPlan  # as the collection's lookup runs it (its own output layout)
+    ms: float  # modelled step: lookup, update, output moves
+    update_bytes: float
+    out_move_bytes: tuple[float, float]
+    transient_bytes: int
+
+    @property
+    def wire_bytes(self) -> float:
+        return self.plan.forward_wire_bytes + self.update_bytes + sum(self.out_move_bytes)
+
+
+def _out_move(ctx: Context, p: EmbeddingPlan) -> tuple[float, float, int]:
+    """`(forward, backward wire bytes, collectives)` of moving a lookup's output to the batch
+    layout and its gradient back, where the plan leaves it elsewhere (columns: `[B, bags,
+    H/K]` on every device). Modelled as XLA reshards it: an all_to_all over K each way, and
+    an all_gather over the K axes the batch does not use (the batch layout replicates)."""
+    out = _norm(p.out_spec, 3)
+    if out == _norm(ctx.out_spec, 3):
+        return 0.0, 0.0, 0
+    k_axes, b_axes = out[2], out[0]
+    n_k = math.prod(ctx.sizes[a] for a in k_axes)
+    n_rest = math.prod(ctx.sizes[a] for a in k_axes if a not in ctx.batch_axes)
+    block = math.prod(p.out_batch_shape) * p.weight_shape[1] * np.dtype(p.dtype).itemsize
+    block /= math.prod(ctx.sizes[a] for a in b_axes) * n_k  # per device, either side
+    a2a = cost.ring_wire_bytes("all-to-all", n_k, block)
+    gather = cost.ring_wire_bytes("all-gather", n_rest, block * n_rest)
+    return a2a + gather, a2a, 2 + (n_rest > 1)
+
+
+def _update_extra(ctx: Context, p: EmbeddingPlan) -> tuple[float, int]:
+    """`(wire bytes, collectives)` of the update plan's backward beyond the gradient's: the
+    ids (lengths, weights) moved into its body again, and a per-row optimizer state's `psum`
+    of each row's g² over a split hidden axis. The plan lists them; its candidates' modelled
+    times do not count them (they price the exchange), so they are added here."""
+    del ctx
+    extra = [
+        c for c in p.backward
+        if c.operand == "row_sum" or c.why.startswith("the update moves")
+    ]  # fmt: skip
+    return sum(c.wire_bytes for c in extra), len(extra)
+
+
+_OPERANDS = ("ids", "lengths", "weights")
+
+
+def _options(ctx: Context, x_shape, stack: Stack, num_bags: int, combiner: str):
+    key = (x_shape, stack.shape, stack.spec, num_bags, combiner, stack.dtype)
+    if key in ctx.plans:
+        return ctx.plans[key]
+    weighted = combiner == "sum"
+
+    def plan(exchange):
+        return plan_embedding_bag(
+            ctx.mesh, x_shape, stack.shape, num_bags=num_bags, combiner=combiner,
+            weighted=weighted, x_spec=ctx.x_spec, lengths_spec=P(),
+            weights_spec=ctx.x_spec if weighted else None, weight_spec=stack.spec,
+            dtype=stack.dtype, exchange=exchange, update=True, backend=ctx.constants.backend,
+            optimizer_slots=ctx.state_slots,
+        )  # fmt: skip
+
+    auto = plan("auto")
+    options, k = {}, ctx.constants
+    for c in auto.candidates:
+        p = auto if auto.exchange == c.name else plan("rows" if c.name == "none" else c.name)
+        out_fwd, out_bwd, n_out = _out_move(ctx, p)
+        again, n_again = _update_extra(ctx, p)
+        extra = (out_fwd + out_bwd + again) / k.link_bytes_per_s + (n_out + n_again) * k.latency_s
+        mem = p.memory
+        options[c.name] = _Option(
+            name=c.name, plan=p, ms=c.modelled_ms + extra * 1e3,
+            update_bytes=p.backward_wire_bytes, out_move_bytes=(out_fwd, out_bwd),
+            transient_bytes=mem.ids * (2 if weighted else 1) + mem.out + mem.exchange_buffers,
+        )  # fmt: skip
+    ctx.plans[key] = options
+    return options
+
+
+@dataclasses.dataclass(frozen=True)
+class CallCost:
+    """One `embedding_bag` call of a layout, as modelled.
+
+    Attributes:
+      stack, stack_name: the stack's index and name.
+      features: the features it reads; combiner: `"sum"` (sum, mean, sqrtn, unpooled:
+        weighted) or `"max"`.
+      x_shape, num_bags: the call's ids `[batch, Σ max_ids]` and its bags per example.
+      exchange: the chosen exchange; plan: its `EmbeddingPlan` (the lookup's own output
+        layout: what the collection's lookup compiles to).
+      forward_bytes: wire bytes per device of the lookup (`plan.forward`).
+      update_bytes: of the row-sparse update (`plan.backward`, the ids moved again, the
+        per-row state's `row_sum` over a split hidden axis).
+      out_move_bytes: `(forward, backward)`: moving the output to the batch layout, and its
+        gradient back (columns).
+      wire_bytes: (property) of the step: all of the above.
+      modelled_ms: the plan's modelled time of the step (the same on every device).
+      update_ms: per device, the optimizer state traffic of its update.
+      activation_bytes, transient_bytes: per device: output and its gradient; ids, weights
+        and exchange buffers.
+      options: `((exchange, modelled ms), ...)` of every exchange weighed.
+      note: why an exchange was charged more (a routed overflow), or "".
+      fallback_forward_bytes, fallback_update_bytes: (properties) the routed fallback's.
+    """
+
+    stack: int
+    stack_name: str
+    features: tuple[str, ...]
+    combiner: str
+    x_shape: tuple[int, int]
+    num_bags: int
+    exchange: str
+    plan: EmbeddingPlan
+    forward_bytes: float
+    update_bytes: float
+    out_move_bytes: tuple[float, float]
+    modelled_ms: float
+    update_ms: tuple[float, ...]
+    activation_bytes: int
+    transient_bytes: int
+    options: tuple[tuple[str, float], ...]
+    note: str
+
+    @property
+    def wire_bytes(self) -> float:
+        return self.forward_bytes + self.update_bytes + sum(self.out_move_bytes)
+
+    @property
+    def fallback_forward_bytes(self) -> float:
+        """The routed exchange's exact fallback, compiled beside it (0 for the others): a
+        compiled lookup's collectives are `forward_bytes + fallback_forward_bytes`."""
+        routed = self.plan.routed
+        return float(sum(c.wire_bytes for c in routed.fallback_forward)) if routed else 0.0
+
+    @property
+    def fallback_update_bytes(self) -> float:
+        """Likewise for the update: its fallback's collectives (`fallback_backward`)."""
+        routed = self.plan.routed
+        return float(sum(c.wire_bytes for c in routed.fallback_backward)) if routed else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutCost:
+    """A layout's modelled step and per-device memory (see the module's docstring)."""
+
+    tables: tuple[TableConfig, ...]
+    layout: CollectionLayout
+    calls: tuple[CallCost, ...]
+    step_ms: float
+    allocated_bytes: int  # stacks + state, per device (padded: every device the same)
+    used_bytes: tuple[int, ...]  # per device: the rows it really holds, + their state
+    buffer_bytes: int  # activations + the largest call's transient buffers
+    table_bytes: dict[str, int]  # per table: the most it puts on one device (+ state)
+    update_ms: tuple[float, ...]  # per device
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.allocated_bytes + self.buffer_bytes
+
+
+def _device_shards(ctx: Context, stack: Stack) -> np.ndarray:
+    """Per device (row-major over the mesh), the index of the stack's row shard it holds."""
+    names = list(ctx.sizes)
+    coords = np.indices([ctx.sizes[a] for a in names]).reshape(len(names), -1)
+    shard = np.zeros(coords.shape[1], np.int64)
+    for a in stack.row_axes:
+        shard = shard * ctx.sizes[a] + coords[names.index(a)]
+    return shard
+
+
+def _shares(ctx: Context, t: TableConfig, layout: CollectionLayout, stack: Stack) -> np.ndarray:
+    """Per row shard of the stack, its share of the table's distinct ids."""
+    p = layout.placement(t.name)
+    out = np.zeros(max(stack.num_shards, 1))
+    k = len(p.shards)
+    if ctx.stats is not None and k > 1:
+        q = ctx.stats.shard_shares(
+            t.name, vocab_size=t.vocab_size, num_shards=k, row_sharding=p.row_sharding
+        )
+    else:
+        q = np.full(k, 1.0 / k)
+    out[list(p.shards)] = q
+    return out
+
+
+def _held_rows(layout: CollectionLayout, t: TableConfig, stack: Stack, shard: int) -> int:
+    p = layout.placement(t.name)
+    if shard not in p.shards and stack.row_axes:
+        return 0
+    j, k = (p.shards.index(shard) if stack.row_axes else 0), len(p.shards)
+    if p.row_sharding == "mod" and k > 1:
+        return t.vocab_size // k + (1 if j < t.vocab_size % k else 0)
+    return max(0, min(p.rows_per_shard, t.vocab_size - j * p.rows_per_shard))
+
+
+def _routed_overflow(ctx, option, stack, calls_tables, layout, by_table, per_slot) -> str:
+    """Why the routed exchange's busiest owner overflows its capacity, or ""."""
+    routed = option.plan.routed
+    b_dev = routed.slots / per_slot
+    row_axes = list(stack.row_axes)
+    coords = np.indices([ctx.sizes[a] for a in row_axes]).reshape(len(row_axes), -1)
+    bucket = np.zeros(coords.shape[1], np.int64)
+    for a in routed.axes:
+        bucket = bucket * ctx.sizes[a] + coords[row_axes.index(a)]
+    load = np.zeros(routed.num_buckets)
+    for name, ids_per_example in calls_tables.items():
+        t = by_table[name]
+        distinct = distinct_draws(b_dev * ids_per_example, ctx.vocab_eff(t))
+        np.add.at(load, bucket, distinct * _shares(ctx, t, layout, stack))
+    busiest = float(load.max())
+    if busiest <= routed.capacity:
+        return ""
+    return (
+        f"routed would overflow: its busiest owner expects {busiest:.0f} distinct ids per "
+        f"device, over its capacity {routed.capacity}, so it would run its fallback"
+    )
+
+
+def evaluate(
+    ctx: Context, tables: Sequence[TableConfig], features: Sequence[FeatureConfig]
+) -> LayoutCost:
+    """The modelled step and memory of `tables` (placements resolved) on the context's mesh."""
+    ctx.evaluations += 1
+    try:
+        layout = layout_collection(tables, features, ctx.mesh)
+    except ValueError as e:
+        raise LayoutError(str(e)) from None
+    by_table = {t.name: t for t in tables}
+    n_dev = math.prod(ctx.sizes.values())
+    e_state = 4
+    calls, allocated, used = [], 0, np.zeros(n_dev)
+    table_bytes: dict[str, int] = {}
+    update_total = np.zeros(n_dev)
+    for stack in layout.stacks:
+        k_cols = math.prod(ctx.sizes[a] for a in stack.hidden_axes)
+        h_local = stack.dim // k_cols
+        row_bytes = h_local * np.dtype(stack.dtype).itemsize
+        state_row = sum(e_state if per_row else h_local * e_state for per_row in ctx.state_slots)
+        allocated += stack.local_rows * (row_bytes + state_row)
+        shards = _device_shards(ctx, stack)
+        for name in stack.tables:
+            held = np.array([_held_rows(layout, by_table[name], stack, s) for s in shards])
+            used += held * (row_bytes + state_row)
+            table_bytes[name] = int(held.max() * (row_bytes + state_row))
+        members = [f for f in features if layout.placement(f.table).stack == stack.index]
+        for combiner in ("sum", "max"):
+            group = [f for f in members if (f.combiner == "max") == (combiner == "max")]
+            if not group:
+                continue
+            per_slot = sum(f.max_ids or 1 for f in group)
+            x_shape = (ctx.batch_size, per_slot)
+            num_bags = sum(1 if f.pooled else (f.max_ids or 1) for f in group)
+            options = _options(ctx, x_shape, stack, num_bags, combiner)
+            ids_of: dict[str, float] = {}
+            for f in group:
+                ids_of[f.table] = ids_of.get(f.table, 0.0) + ctx.mean_ids(f)
+            costs, notes = {}, {}
+            for name, o in options.items():
+                costs[name] = o.ms
+                if name == "routed" and "none" in options:
+                    why = _routed_overflow(ctx, o, stack, ids_of, layout, by_table, per_slot)
+                    if why:  # the flag's all-reduce, then the gather path
+                        costs[name] = options["none"].ms + ctx.constants.latency_s * 1e3
+                        notes[name] = why
+            best = min(options, key=lambda n: (costs[n], options[n].wire_bytes))
+            o = options[best]
+            rows = np.zeros(n_dev)
+            for name, ids_per_example in ids_of.items():
+                t = by_table[name]
+                distinct = distinct_draws(ctx.batch_size * ids_per_example, ctx.vocab_eff(t))
+                rows += distinct * _shares(ctx, t, layout, stack)[shards]
+            update = rows * state_row * 2 / ctx.constants.memory_bytes_per_s * 1e3
+            update_total += update
+            out_bytes = (ctx.batch_size // math.prod(ctx.sizes[a] for a in ctx.batch_axes)
+                         * num_bags * stack.dim * np.dtype(stack.dtype).itemsize)  # fmt: skip
+            calls.append(CallCost(
+                stack=stack.index, stack_name=stack.name,
+                features=tuple(f.name for f in group), combiner=combiner,
+                x_shape=x_shape, num_bags=num_bags, exchange=best, plan=o.plan,
+                forward_bytes=o.plan.forward_wire_bytes, update_bytes=o.update_bytes,
+                out_move_bytes=o.out_move_bytes, modelled_ms=costs[best],
+                update_ms=tuple(float(u) for u in update), activation_bytes=2 * out_bytes,
+                transient_bytes=o.transient_bytes,
+                options=tuple((n, costs[n]) for n in options),
+                note="; ".join(notes.values()),
+            ))  # fmt: skip
+    buffers = sum(c.activation_bytes for c in calls) + max(
+        (c.transient_bytes for c in calls), default=0
+    )
+    step = sum(c.modelled_ms for c in calls) + float(update_total.max(initial=0.0))
+    return LayoutCost(
+        tables=tuple(tables), layout=layout, calls=tuple(calls), step_ms=step,
+        allocated_bytes=int(allocated), used_bytes=tuple(int(u) for u in used),
+        buffer_bytes=int(buffers), table_bytes=table_bytes,
+        update_ms=tuple(float(u) for u in update_total),
+    )  # fmt: skip
