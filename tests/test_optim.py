@@ -262,7 +262,7 @@ def test_update_plans_list_every_collective(w_spec, x_spec, combiner):
     g = put(np.zeros((8, HIDDEN) if combiner else (8, 8, HIDDEN), np.float32), mesh,
             plan.out_spec)  # fmt: skip
     state = opt.init(table)
-    f = lambda t, s, i, g: opt.update(t, s, i, g, **kw)  # noqa: E731
+    f = lambda t, s, i, g: opt.update(t, s, i, g, **kw)
     text = jax.jit(f).lower(table, state, ids, g).compile().as_text()
     check_hlo_against_plan(dataclasses.replace(plan, forward=()), text, mesh,
                            extra_kinds={"pmax": "all-reduce", "pmin": "all-reduce"})  # fmt: skip
