@@ -140,8 +140,25 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--vocab-size", type=int, default=None, help="real rows of a padded table")
     p.add_argument("--padding-idx", type=int, default=None)
     p.add_argument("--dtype", default="float32", help="table dtype (float32, bfloat16)")
-    p.add_argument("--exchange", choices=("auto", "dense", "rows"), default="auto",
-                   help="gradient exchange")  # fmt: skip
+    p.add_argument("--exchange", choices=("auto", "dense", "rows", "routed"), default="auto",
+                   help="how ids reach rows and gradients reach the table")  # fmt: skip
+    p.add_argument("--row-sharding", choices=("block", "mod"), default="block")
+    p.add_argument("--capacity", type=int, default=None, help="the routed exchange's C")
+    p.add_argument("--impl", choices=("auto", "xla", "native"), default="auto",
+                   help="shard-local kernels")  # fmt: skip
+    bag = p.add_argument_group("a bag lookup (jaxembed.embedding_bag) or a row-sparse update")
+    bag.add_argument(
+        "--combiner", choices=("sum", "mean", "sqrtn", "max"), default=None,
+        help="pool the ids' last axis into bags ([*batch, L] -> [*batch, H])",
+    )  # fmt: skip
+    bag.add_argument(
+        "--bags", type=int, default=None,
+        help="flat form: ids [*lead, N] hold this many bags per lead element",
+    )  # fmt: skip
+    bag.add_argument("--weighted", action="store_true", help="per-id weights")
+    bag.add_argument("--optimizer", default=None,
+                     help="plan a row-sparse update with this jaxembed.optim optimizer, e.g. "
+                          "rowwise_adagrad")  # fmt: skip
     p.add_argument("--axis-types", choices=("explicit", "auto"), default="explicit")
     p.add_argument(
         "--host-axes", default="",
@@ -172,13 +189,36 @@ def _run_plan(args: argparse.Namespace) -> int:
         base = parse_spec(args.out_spec)
         unreduced = {a for a in args.out_unreduced.split(",") if a}
         out_spec = P(*base.partitions, unreduced=unreduced) if unreduced else base
+    common = dict(
+        x_spec=parse_spec(args.ids_spec), weight_spec=parse_spec(args.table_spec),
+        out_spec=out_spec, padding_idx=args.padding_idx, vocab_size=args.vocab_size,
+        dtype=jnp.dtype(args.dtype), exchange=args.exchange, row_sharding=args.row_sharding,
+        capacity=args.capacity, impl=args.impl,
+    )  # fmt: skip
+    bag = args.combiner is not None or args.bags is not None
     try:
-        plan = plan_embedding(
-            mesh, args.ids, args.table, x_spec=parse_spec(args.ids_spec),
-            weight_spec=parse_spec(args.table_spec), out_spec=out_spec,
-            padding_idx=args.padding_idx, vocab_size=args.vocab_size,
-            dtype=jnp.dtype(args.dtype), gradient_exchange=args.exchange,
-        )  # fmt: skip
+        if args.optimizer is not None:
+            import jaxembed.optim
+
+            factory = getattr(jaxembed.optim, args.optimizer, None)
+            if factory is None or not callable(factory) or args.optimizer.startswith("Row"):
+                raise ValueError(
+                    f"--optimizer {args.optimizer!r} is not a jaxembed.optim optimizer (sgd, "
+                    "adagrad, rowwise_adagrad, adam, partial_rowwise_adam, ftrl)"
+                )
+            if bag:
+                common.update(combiner=args.combiner or "sum", num_bags=args.bags,
+                              weighted=args.weighted)  # fmt: skip
+            plan = factory(learning_rate=0.01).plan(mesh, args.ids, args.table, **common)
+        elif bag:
+            from jaxembed.plan import plan_embedding_bag
+
+            plan = plan_embedding_bag(
+                mesh, args.ids, args.table, combiner=args.combiner or "sum",
+                num_bags=args.bags, weighted=args.weighted, **common,
+            )  # fmt: skip
+        else:
+            plan = plan_embedding(mesh, args.ids, args.table, **common)
     except (TypeError, ValueError) as e:
         print(f"jaxembed plan: error: {e}", file=sys.stderr)
         return 2

@@ -99,3 +99,26 @@ def test_bench_flags_reach_the_benchmark(monkeypatch):
     monkeypatch.setattr(jaxembed.bench, "main", lambda argv: seen.append(argv) or 0)
     assert cli.main(["bench", "--quick", "--json", "out.json"]) == 0
     assert seen == [["--quick", "--json", "out.json"]]
+
+
+def test_plan_of_a_bag_update(capsys):
+    """`--combiner` plans a bag lookup, `--optimizer` a row-sparse update of it."""
+    code = cli.main(["plan", "--mesh", "data=2,model=4", "--ids", "4096x20", "--table",
+                 "1000000x64", "--ids-spec", "data", "--table-spec", "model,None",
+                 "--combiner", "mean", "--optimizer", "rowwise_adagrad", "--impl", "xla"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "bag, mean" in out and "float32[2048, 64]" in out  # the pooled [B/2, H] is reduced
+    assert "row-sparse update" in out and "optimizer state 976.6 KiB" in out
+    assert "kernels: xla" in out
+    assert cli.main(["plan", "--mesh", "data=2,model=4", "--ids", "8x8", "--table", "64x8",
+                 "--optimizer", "nadam"]) == 2  # fmt: skip
+    assert "is not a jaxembed.optim optimizer" in capsys.readouterr().err
+
+
+def test_plan_of_a_routed_lookup(capsys):
+    assert cli.main(["plan", "--mesh", "model=8", "--ids", "64x128", "--table", "1048576x128",
+                 "--ids-spec", "model", "--table-spec", "model,None", "--exchange", "routed",
+                 "--row-sharding", "mod"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "all_to_all" in out and "rows by mod" in out and "*routed" in out
