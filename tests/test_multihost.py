@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxembed import launch
+from jaxembed.kernels import native
 
 HERE = Path(__file__).parent / "multihost"
 
@@ -34,6 +35,17 @@ def test_embedding_matches_the_dense_reference_on_every_process():
     assert all(prefix == pid for prefix, _, _, pid in oks)
     layouts = {(name, exchange, pid) for pid, name, exchange, _ in oks}
     assert len(layouts) == len(oks) == 2 * 2 * 6 * 2  # processes x exchanges x layouts x meshes
+
+
+def test_bags_and_row_sparse_updates_match_the_reference_on_every_process():
+    code, out, _ = run("recsys_layouts.py", timeout_seconds=400)
+    assert code == 0, out[-3000:]
+    oks = re.findall(r"^\[p(\d)\] OK (\S+) (\S+) (\S+) process (\d)$", out, re.M)
+    assert all(prefix == pid for prefix, *_, pid in oks)
+    impls = {impl for *_, impl, _ in oks}
+    assert impls == ({"xla", "native"} if native.available() else {"xla"})
+    # layouts x exchanges (rows: 4, routed: 2) x impls x processes
+    assert len(set(oks)) == len(oks) == 6 * len(impls) * 2
 
 
 def test_a_killed_process_stops_the_others_within_60_seconds():

@@ -277,6 +277,23 @@ def test_dense_exchange_is_refused():
         opt.update(table, opt.init(table), ids, jnp.zeros((8, 8, HIDDEN)), exchange="dense")
 
 
+def test_out_grad_of_the_wrong_shape_is_refused():
+    mesh = make_mesh((2, 4), AxisType.Explicit)
+    opt = jaxembed.optim.sgd(0.1)
+    table = put(np.zeros((ROWS, HIDDEN), np.float32), mesh, P("model", None))
+    ids = put(np.zeros((8, 8), np.int32), mesh, P("data"))
+    state = opt.init(table)
+    pooled = jnp.zeros((8, HIDDEN))  # a bag's gradient, without the bag's arguments
+    with pytest.raises(ValueError, match=r"out_grad has shape \(8, 16\), but the lookup's "
+                       r"output has shape \(8, 8, 16\).*needs the bag's arguments"):  # fmt: skip
+        opt.update(table, state, ids, pooled)
+    with pytest.raises(ValueError, match=r"out_grad has shape \(8, 8, 16\), but .* \(8, 16\)"):
+        opt.update(table, state, ids, jnp.zeros((8, 8, HIDDEN)), combiner="sum")
+    with pytest.raises(ValueError, match=r"out_grad has shape \(3, 16\)"):  # one device
+        opt.update(jnp.zeros((ROWS, HIDDEN)), opt.init(jnp.zeros((ROWS, HIDDEN))),
+                   np.zeros((2, 3), np.int32), jnp.zeros((3, HIDDEN)))  # fmt: skip
+
+
 def test_one_device():
     opt = jaxembed.optim.adam(0.1)
     rng = np.random.default_rng(1)

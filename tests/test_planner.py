@@ -17,6 +17,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxembed
+import jaxembed.flax
 import jaxembed.nnx
 from jaxembed import cli, hlo
 from jaxembed.collection import FeatureConfig, TableConfig, collection_update, layout_collection
@@ -103,7 +104,7 @@ def test_optimizer_state_is_counted():
 
 def test_modelled_bytes_equal_the_compiled_lookup_and_update():
     mesh = jax.make_mesh((2, 4), ("data", "model"))
-    plan = plan_for("16MiB", mesh=mesh)
+    plan = plan_for("4MiB", mesh=mesh, backend="gpu")
     # The plan mixes placements and exchanges: the check covers each of them.
     assert {"rows", "replicated", "columns"} <= set(plan.placements.values())
     assert {"routed", "rows", "none"} == {c.exchange for c in plan.calls}
@@ -125,9 +126,10 @@ def test_modelled_bytes_equal_the_compiled_lookup_and_update():
         states = jax.eval_shape(lambda st: {s.index: opt.init(
             st[s.index], mesh=mesh, weight_spec=s.spec) for s in coll.layout.stacks}, stacks)  # fmt: skip
         update = jax.jit(lambda st, ss, b, g: collection_update(
-            coll.layout, opt, st, ss, b, g, mesh=mesh, exchange=plan.exchange))  # fmt: skip
+            coll.layout, opt, st, ss, b, g, mesh=mesh, exchange=plan.exchanges))  # fmt: skip
         update_text = update.lower(stacks, states, batch, grads).compile().as_text()
     assert {t: p.placement for t, p in coll.layout.placements} == plan.placements
+    assert coll.exchange == plan.exchanges and "routed" in plan.exchanges.values()
     # The routed exchange compiles its exact fallback beside it (a cond): both count.
     want = sum(c.forward_bytes + c.fallback_forward_bytes for c in plan.calls)
     assert hlo.total_wire_bytes(text) == want
@@ -137,10 +139,11 @@ def test_modelled_bytes_equal_the_compiled_lookup_and_update():
 
 
 def test_tiny_tables_are_replicated_when_memory_allows():
-    plan = plan_for("16MiB")
+    plan = plan_for("4MiB")  # item's replica (100000 x (12 + 1) x 4 bytes) does not fit
     tiny = ("country", "hour", "dev", "os")  # dim 4: no columns split over 8 devices
     assert all(plan.placements[t] == "replicated" for t in tiny)
     assert plan.placements["item"] != "replicated"
+    assert "replicated needs" in plan.tables[0].reason
     # On a GPU's constants (fast links, small latency) a 4096 batch replicates everything
     # that fits; a table whose replica is over the budget never is.
     mesh = AbstractMesh((8,), ("x",), axis_types=(AxisType.Explicit,))
@@ -218,13 +221,13 @@ def test_skewed_ids_choose_mod_rows_and_block_rows_overflow_routed():
     rng = np.random.default_rng(0)
     hot = [{"clicked": rng.integers(0, 12_000, (512, 8))} for _ in range(3)]  # block shard 0
     stats = id_stats(hot, features)
-    plan = plan_collection(tables, features, MESH, batch_size=2048, memory_per_device="16MiB",
-                           id_stats=stats)  # fmt: skip
+    kw = dict(batch_size=2048, memory_per_device="2MiB", backend="gpu")  # routes when uniform
+    plan = plan_collection(tables, features, MESH, id_stats=stats, **kw)
     assert plan.placements == {"item": "rows"} and plan.calls[0].exchange == "routed"
     assert plan.table_configs[0].row_sharding == "mod" and plan.tables[0].row_sharding == "mod"
     fixed = [TableConfig("item", 100_000, 12, placement="rows")]  # block rows, as configured
-    plan = plan_collection(fixed, features, MESH, batch_size=2048, memory_per_device="16MiB",
-                           id_stats=stats)  # fmt: skip
+    assert plan_collection(fixed, features, MESH, **kw).calls[0].exchange == "routed"
+    plan = plan_collection(fixed, features, MESH, id_stats=stats, **kw)
     assert plan.calls[0].exchange == "none" and "routed would overflow" in plan.calls[0].note
 
 
@@ -253,3 +256,26 @@ def test_cli_prints_the_plan(tmp_path, capsys):
     assert "unknown keys ['rows']" in capsys.readouterr().err
     assert cli.main(["plan", "--mesh", "data=2,model=4"]) == 2
     assert "give --ids and --table (one lookup) or --tables" in capsys.readouterr().err
+
+
+def test_placements_auto_plans_when_the_collection_is_built():
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    budget = {"batch_size": B, "memory_per_device": "4MiB", "backend": "gpu"}
+    want = plan_collection(TABLES, FEATURES, mesh, **budget)
+    with jax.set_mesh(mesh):
+        coll = nnx.eval_shape(lambda: jaxembed.nnx.EmbeddingBagCollection(
+            TABLES, FEATURES, placements="auto", planner=budget, rngs=nnx.Rngs(0)))  # fmt: skip
+        linen = jaxembed.flax.EmbeddingBagCollection(
+            TABLES, FEATURES, placements="auto", planner=budget
+        )  # a Linen module reads the mesh in context
+        assert coll.plan == want == linen.plan
+        assert coll.layout == linen.layout and coll.exchange == want.exchanges == linen._exchange
+    assert {t: p.placement for t, p in coll.layout.placements} == want.placements
+    with pytest.raises(
+        ValueError, match=r"placements='auto' .* \(missing \['memory_per_device'\]\)"
+    ):
+        jaxembed.nnx.EmbeddingBagCollection(TABLES, FEATURES, mesh=mesh, placements="auto",
+                                            planner={"batch_size": B}, rngs=nnx.Rngs(0))  # fmt: skip
+    with pytest.raises(ValueError, match=r"planner=.* is for placements='auto'"):
+        jaxembed.nnx.EmbeddingBagCollection(TABLES, FEATURES, mesh=mesh, planner=budget,
+                                            rngs=nnx.Rngs(0))  # fmt: skip

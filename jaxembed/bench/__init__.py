@@ -19,6 +19,17 @@ Implementations: see `jaxembed.bench._impls`. Layouts: `jaxembed.bench._cases.LA
 
     jaxembed bench --quick --json /tmp/bench.json
     jaxembed bench --json benchmarks/results.json --plot benchmarks/ --markdown /tmp/tables.md
+
+Round 2 adds subcommands, each a module with its own `main` and library function:
+`jaxembed bench sparse` (`jaxembed.bench.sparse`: the row-sparse step against dense ones),
+`bags` (`jaxembed.bench.bags`: pooled lookups against XLA's take + sum), `routed`
+(`jaxembed.bench.routed`: the routed exchange against the gather path, Zipf sweeps, the
+exchange choice over the batch), `recsys` (`jaxembed.bench.recsys`: the recommender step
+against XLA, Flax, keras-rs and TorchRec), and `jaxembed bench --calibrate` (the cost model's
+CPU constants, `jaxembed.bench.calibrate`).
+
+Importing this package does not import jax (so `jaxembed.bench.workloads` stays numpy-only):
+the benchmark's modules load when a function needs them.
 """
 
 from __future__ import annotations
@@ -26,21 +37,48 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib
 import json
 import math
 import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jaxembed.bench._cases import LAYOUTS, MAIN_LAYOUTS, Case, sweep_layout
-from jaxembed.bench._impls import IMPLEMENTATIONS, KNOWN
-from jaxembed.bench._run import TimingPolicy, run_case
+if TYPE_CHECKING:
+    from jaxembed.bench._cases import Case
+    from jaxembed.bench._run import TimingPolicy
 
 __all__ = ["QUICK", "BenchConfig", "main", "run_bench", "targets"]
 
 SCHEMA = "jaxembed.bench/1"
+SUBCOMMANDS = ("sparse", "bags", "routed", "recsys")
+"""`jaxembed bench NAME ...` runs `jaxembed.bench.NAME.main`."""
+
+# Names of the benchmark's modules, loaded on first use (they import jax).
+_LAZY = {
+    "LAYOUTS": "jaxembed.bench._cases",
+    "MAIN_LAYOUTS": "jaxembed.bench._cases",
+    "Case": "jaxembed.bench._cases",
+    "sweep_layout": "jaxembed.bench._cases",
+    "IMPLEMENTATIONS": "jaxembed.bench._impls",
+    "KNOWN": "jaxembed.bench._impls",
+    "TimingPolicy": "jaxembed.bench._run",
+    "run_case": "jaxembed.bench._run",
+}
+
+
+def _load(name: str) -> Any:
+    return getattr(importlib.import_module(_LAZY[name]), name)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return _load(name)
+    if name == "QUICK":
+        return _quick()
+    raise AttributeError(f"module 'jaxembed.bench' has no attribute {name!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +105,12 @@ class BenchConfig:
     vocab: tuple[int, ...] = (65536,)
     hidden: int = 128
     ids_shape: tuple[int, int] = (16, 128)
-    layouts: tuple[str, ...] = tuple(LAYOUTS)
-    implementations: tuple[str, ...] = IMPLEMENTATIONS
+    layouts: tuple[str, ...] = dataclasses.field(default_factory=lambda: tuple(_load("LAYOUTS")))
+    implementations: tuple[str, ...] = dataclasses.field(
+        default_factory=lambda: _load("IMPLEMENTATIONS")
+    )
     dense_regime_ids: tuple[int, int] | None = (256, 128)
-    timing: TimingPolicy = dataclasses.field(default_factory=TimingPolicy)
+    timing: TimingPolicy = dataclasses.field(default_factory=lambda: _load("TimingPolicy")())
     learning_rate: float = 0.1
     seed: int = 0
     vocab_sweep: tuple[int, ...] = (16384, 65536, 262144, 1048576)
@@ -80,18 +120,23 @@ class BenchConfig:
     quick: bool = False
 
 
-QUICK = BenchConfig(
-    vocab=(8192,),
-    hidden=16,
-    ids_shape=(8, 16),
-    dense_regime_ids=(512, 16),
-    timing=TimingPolicy(repeats=2, warmup=0, settle=0, min_samples=1, max_seconds=0.5),
-    vocab_sweep=(4096, 32768),
-    device_sweep=(1, 8),
-    batch_sweep=(2, 512),
-    quick=True,
-)
-"""Tiny shapes for the test suite: every code path, in seconds; timings mean nothing."""
+_QUICK: list[BenchConfig] = []
+
+
+def _quick() -> BenchConfig:
+    """`QUICK`: tiny shapes for the test suite: every code path, in seconds; timings mean
+    nothing. Built on first use (its timing policy lives with jax)."""
+    if not _QUICK:
+        timing = _load("TimingPolicy")(
+            repeats=2, warmup=0, settle=0, min_samples=1, max_seconds=0.5
+        )
+        _QUICK.append(BenchConfig(
+            vocab=(8192,), hidden=16, ids_shape=(8, 16), dense_regime_ids=(512, 16),
+            timing=timing, vocab_sweep=(4096, 32768), device_sweep=(1, 8), batch_sweep=(2, 512),
+            quick=True,
+        ))  # fmt: skip
+    return _QUICK[0]
+
 
 DEVICE_SWEEP_LAYOUTS = ("data-parallel", "fully-sharded")
 BATCH_SWEEP_IMPLS = ("jaxembed", "jaxembed[rows]", "jaxembed[dense]", "xla")
@@ -99,6 +144,9 @@ DEVICE_SWEEP_IMPLS = ("jaxembed", "xla")
 
 
 def _validate(config: BenchConfig) -> None:
+    from jaxembed.bench._cases import LAYOUTS
+    from jaxembed.bench._impls import KNOWN
+
     unknown = [n for n in config.layouts if n not in LAYOUTS]
     if unknown:
         raise ValueError(f"unknown layouts {unknown}: choose from {', '.join(LAYOUTS)}")
@@ -123,7 +171,9 @@ def _validate(config: BenchConfig) -> None:
         )
 
 
-def _cases(config: BenchConfig) -> list[Case]:
+def _layout_cases(config: BenchConfig) -> list[Case]:
+    from jaxembed.bench._cases import LAYOUTS, Case
+
     cases = [
         Case(LAYOUTS[name], vocab, config.hidden, config.ids_shape)
         for vocab in config.vocab
@@ -190,6 +240,9 @@ def run_bench(
     Raises:
       ValueError: unknown layouts, implementations or sweeps, or too few devices.
     """
+    from jaxembed.bench._cases import LAYOUTS, Case, sweep_layout
+    from jaxembed.bench._run import run_case
+
     config = BenchConfig() if config is None else config
     _validate(config)
     tick = progress or (lambda description, units: None)
@@ -202,7 +255,7 @@ def run_bench(
     }
     timing = config.timing
     common = {"learning_rate": config.learning_rate, "seed": config.seed}
-    for case in _cases(config):
+    for case in _layout_cases(config):
         record["cases"].append(run_case(
             case, config.implementations, execute=True, timing=timing,
             on_compiled=lambda _, c=case: tick(_label(c), 1),
@@ -251,7 +304,7 @@ def _label(case: Case) -> str:
 
 def plan_units(config: BenchConfig) -> int:
     """How many units of work `run_bench` reports to `progress` (one per compiled step)."""
-    units = len(_cases(config)) * len(config.implementations)
+    units = len(_layout_cases(config)) * len(config.implementations)
     if "vocab" in config.sweeps:
         units += len(config.vocab_sweep) * len(config.implementations)
     if "devices" in config.sweeps:
@@ -285,6 +338,8 @@ def targets(record: dict[str, Any]) -> dict[str, Any]:
     Returns:
       One entry per target: the measured values, the threshold and `met`.
     """
+    from jaxembed.bench._cases import MAIN_LAYOUTS
+
     cases = [c for c in record["cases"] if not c["tag"]]
     if not cases:
         return {}
@@ -363,11 +418,18 @@ def _ids(text: str) -> tuple[int, int]:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from jaxembed.bench._cases import LAYOUTS
+    from jaxembed.bench._impls import IMPLEMENTATIONS, KNOWN
+
     p = argparse.ArgumentParser(
         prog="jaxembed bench",
+        usage="jaxembed bench [{sparse,bags,routed} ...] [-h] [--quick] [--json PATH] ...",
         description="Benchmark jaxembed.embedding against XLA's jnp.take, Flax's Embed and a "
         "one-hot matmul: wire bytes, memory, compile time and step time per layout, with "
-        "vocabulary, device and batch sweeps. Runs on 8 CPU devices unless jax is already up.",
+        "vocabulary, device and batch sweeps. Runs on 8 CPU devices unless jax is already up. "
+        "Subcommands (each with its own -h): `sparse` (row-sparse training steps), `bags` "
+        "(pooled lookups), `routed` (the routed exchange); `--calibrate` measures the cost "
+        "model's constants instead.",
     )
     p.add_argument("--quick", action="store_true", help="tiny shapes, few repeats (for tests)")
     p.add_argument("--json", metavar="PATH", help="write the record as JSON")
@@ -392,12 +454,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-dense-regime", action="store_true",
                    help="skip the dense-regime case (ids 256x128 on rows-on-model)")  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure the cost model's CPU constants on this machine and save them "
+                   "(jaxembed.bench.calibrate; $JAXEMBED_COST_FILE names the file); "
+                   "--repeats sets its timed calls per point")  # fmt: skip
+    p.add_argument("--no-save", action="store_true",
+                   help="with --calibrate: print the constants, save nothing")  # fmt: skip
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The `BenchConfig` of parsed `jaxembed bench` flags."""
-    config = QUICK if args.quick else BenchConfig()
+    config = _quick() if args.quick else BenchConfig()
     changes: dict[str, Any] = {}
     if args.layouts:
         changes["layouts"] = tuple(dict.fromkeys(args.layouts))
@@ -429,13 +497,25 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def main(argv: list[str]) -> int:
     """`jaxembed bench [--quick] [--json PATH] [--plot PATH] [--layouts ...] [--vocab ...]`.
 
+    `jaxembed bench sparse|bags|routed ...` hands the rest of the flags to that benchmark's
+    own `main`; `jaxembed bench --calibrate [--no-save] [--repeats N]` runs
+    `jaxembed.bench.calibrate.calibrate` and prints the constants and where they went.
+
     Args:
       argv: the flags after `bench`.
 
     Returns:
       The exit status: 0, or 2 for bad flags or too few devices.
     """
+    argv = list(argv)
+    if argv[:1] and argv[0] in SUBCOMMANDS:
+        return importlib.import_module(f"jaxembed.bench.{argv[0]}").main(argv[1:])
     args = _parser().parse_args(argv)
+    if args.calibrate:
+        return _calibrate(save=not args.no_save, repeats=args.repeats)
+    if args.no_save:
+        print("jaxembed bench: error: --no-save goes with --calibrate", file=sys.stderr)
+        return 2
     config = config_from_args(args)
     from jaxembed.bench import _report as report
 
@@ -457,6 +537,30 @@ def main(argv: list[str]) -> int:
 
         for path in _plots.plot_all(record, args.plot):
             print(f"wrote {path}")
+    return 0
+
+
+def _calibrate(*, save: bool, repeats: int | None) -> int:
+    """`jaxembed bench --calibrate`: measure, print, and (unless told not to) save."""
+    from jaxembed.bench.calibrate import calibrate
+
+    result = calibrate(save=save, **({"repeats": repeats} if repeats else {}))
+    for name, c in (("", result["constants"]), ("native kernels: ", result["native"])):
+        if c is None:
+            continue
+        if name:
+            print(name.rstrip(": ") + ":")
+        print(f"link bandwidth   {c['link_bytes_per_s'] / 1e9:10.3f} GB/s per device")
+        print(f"memory bandwidth {c['memory_bytes_per_s'] / 1e9:10.3f} GB/s of table rows")
+        print(f"sort rate        {c['sort_ids_per_s'] / 1e6:10.2f} M ids/s")
+        print(f"latency          {c['latency_s'] * 1e6:10.1f} us per collective")
+    for what in result["kept_defaults"]:
+        print(f"warning: {what}: time did not grow with size (a busy machine?); kept the default",
+              file=sys.stderr)  # fmt: skip
+    if result["path"]:
+        print(f"saved to {result['path']} (JAXEMBED_COST_FILE overrides where)")
+    else:
+        print("not saved (--no-save)")
     return 0
 
 

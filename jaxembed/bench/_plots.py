@@ -205,3 +205,152 @@ def plot_all(record: dict[str, Any], path: str) -> list[str]:
             fn(record, paths[name])
             written.append(paths[name])
     return written
+
+
+# --- round 2 -------------------------------------------------------------------------------------
+
+_R2_COLORS = {"sparse": "#1f77b4", "dense": "#9467bd", "xla": "#d62728", "rows": "#17becf",
+              "routed": "#1f77b4", "auto": "#2ca02c", "jaxembed": "#1f77b4",
+              "jaxembed[rows]": "#17becf", "jaxembed[mod]": "#8c564b", "jaxembed[flat]": "#ff7f0e",
+              "jaxembed+optax": "#2ca02c"}  # fmt: skip
+
+
+def _r2_series(ax, xs, series: dict[str, list[float | None]], *, ylabel: str, xlabel: str,
+               log_x: bool = True, log_y: bool = True) -> None:  # fmt: skip
+    for name, ys in series.items():
+        pts = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None]
+        if not pts:
+            continue
+        base = name.split(" ")[0]
+        marker = {"rows": "s", "auto": "^", "dense": "D", "xla": "x"}.get(base, "o")
+        dashed = "mod" in name or "adagrad" in name
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "--" if dashed else "-",
+                marker=marker, markersize=7 if base == "rows" else 4, fillstyle="none",
+                label=name, color=_R2_COLORS.get(base))  # fmt: skip
+    if log_x:
+        ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def _r2_dir(path: str) -> str:
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def plot_sparse(record: dict[str, Any], path: str) -> list[str]:
+    """`bench sparse`: step time and temp memory against V, sparse vs dense, per optimizer.
+
+    Returns:
+      The files written (`sparse_vocab.png` in the directory `path`).
+    """
+    points = record["vocab_sweep"]
+    optimizers = list(dict.fromkeys(p["optimizer"] for p in points))
+    xs = sorted({p["vocab"] for p in points})
+    time_s: dict[str, list[float | None]] = {}
+    temp_s: dict[str, list[float | None]] = {}
+    for p in points:
+        for name, r in p["implementations"].items():
+            optimizer = p["optimizer"]
+            if name != "sparse" and optimizer != "sgd":
+                optimizer = "optax.adagrad"  # the dense step's element-wise formula
+            key = f"{name} {optimizer}"
+            i = xs.index(p["vocab"])
+            time_s.setdefault(key, [None] * len(xs))[i] = r.get("time_median_in_ms")
+            temp_s.setdefault(key, [None] * len(xs))[i] = r.get("temp_bytes")
+    ids = "x".join(map(str, points[0]["ids_shape"])) if points else "-"
+    title = (f"row-sparse vs dense step, rows-on-model (2x4), ids {ids}, optimizers "
+             f"{', '.join(optimizers)}: " + _subtitle(record))  # fmt: skip
+    fig, (a, b) = _figure(2, title)
+    _r2_series(a, xs, time_s, ylabel="median step time, ms (fwd + bwd + update)",
+               xlabel="vocabulary V (rows)")  # fmt: skip
+    _r2_series(b, xs, temp_s, ylabel="temp bytes per device (memory_analysis)",
+               xlabel="vocabulary V (rows)")  # fmt: skip
+    skipped = sorted({f"{n} V={p['vocab']}" for p in points
+                      for n, r in p["implementations"].items() if "not_run" in r})  # fmt: skip
+    if skipped:
+        fig.text(0.01, 0.005, "not run (memory): " + ", ".join(skipped), fontsize=7)
+    out = os.path.join(_r2_dir(path), "sparse_vocab.png")
+    fig.savefig(out)
+    return [out]
+
+
+def _bars(ax, groups: list[str], series: dict[str, list[float | None]], ylabel: str) -> None:
+    width = 0.8 / max(len(series), 1)
+    for i, (name, values) in enumerate(series.items()):
+        xs = [j - 0.4 + (i + 0.5) * width for j, v in enumerate(values) if v is not None]
+        ys = [v for v in values if v is not None]
+        ax.bar(xs, ys, width, label=name, color=_R2_COLORS.get(name, _COLORS.get(name)))
+    ax.set_xticks(range(len(groups)), groups, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)
+
+
+def plot_bags(record: dict[str, Any], path: str) -> list[str]:
+    """`bench bags`: wire bytes and step time per layout and implementation (bars, log).
+
+    Returns:
+      The files written (`bags.png` in the directory `path`).
+    """
+    points = record["layouts"]
+    groups = [p["layout"] for p in points]
+    names = list(dict.fromkeys(n for p in points for n in p["implementations"]))
+    wire = {n: [p["implementations"].get(n, {}).get("effective_wire_bytes") for p in points]
+            for n in names}  # fmt: skip
+    times = {n: [p["implementations"].get(n, {}).get("time_median_in_ms") for p in points]
+             for n in names}  # fmt: skip
+    cfg = record["config"]
+    title = (f"bags: B={cfg['num_bags']}, up to {cfg['max_ids']} Zipf ids, table "
+             f"{cfg['vocab']}x{cfg['hidden']}: " + _subtitle(record))  # fmt: skip
+    fig, (a, b) = _figure(2, title)
+    _bars(a, groups, wire, "wire bytes per device (compiled HLO, path taken)")
+    _bars(b, groups, times, "median step time, ms (fwd + bwd + SGD)")
+    out = os.path.join(_r2_dir(path), "bags.png")
+    fig.savefig(out)
+    return [out]
+
+
+def plot_routed(record: dict[str, Any], path: str) -> list[str]:
+    """`bench routed`: bytes and time against the Zipf exponent per exchange and row sharding
+    (the first layout), and the batch sweep.
+
+    Returns:
+      The files written (`routed_zipf.png`, `routed_batch.png` in the directory `path`).
+    """
+    written = []
+    points = record["points"]
+    layout = points[0]["layout"] if points else None
+    mine = [p for p in points if p["layout"] == layout]
+    xs = sorted({p["zipf"] for p in mine})
+    wire: dict[str, list[float | None]] = {}
+    times: dict[str, list[float | None]] = {}
+    for p in mine:
+        for name, r in p["implementations"].items():
+            key = f"{name} {p['row_sharding']}"
+            i = xs.index(p["zipf"])
+            wire.setdefault(key, [None] * len(xs))[i] = r.get("effective_wire_bytes")
+            times.setdefault(key, [None] * len(xs))[i] = r.get("time_median_in_ms")
+    if mine:
+        cfg = record["config"]
+        ids = "x".join(map(str, cfg["ids_shape"]))
+        title = (f"routed vs gather path on {layout}, V={cfg['vocab']}, H={cfg['hidden']}, ids "
+                 f"{ids} (dashed: mod rows): " + _subtitle(record))  # fmt: skip
+        fig, (a, b) = _figure(2, title)
+        _r2_series(a, xs, wire, ylabel="wire bytes per device (path taken)",
+                   xlabel="Zipf exponent of the ids (0: uniform)", log_x=False)  # fmt: skip
+        _r2_series(b, xs, times, ylabel="median step time, ms (lookup + sparse SGD)",
+                   xlabel="Zipf exponent of the ids (0: uniform)", log_x=False)  # fmt: skip
+        out = os.path.join(_r2_dir(path), "routed_zipf.png")
+        fig.savefig(out)
+        written.append(out)
+    if record.get("batch_sweep"):
+        out = os.path.join(_r2_dir(path), "routed_batch.png")
+        plot_batch({"machine": record["machine"], "sweeps": {"batch": record["batch_sweep"]}}, out)
+        written.append(out)
+    return written

@@ -8,6 +8,7 @@ initialize it with), named as the stacks (`stack0_dim64_rows_dataxmodel`, ...).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from jaxembed import tape
 from jaxembed.collection.config import FeatureConfig, TableConfig
 from jaxembed.collection.layout import CollectionLayout, layout_collection
 from jaxembed.collection.lookup import collection_lookup
-from jaxembed.collection.nnx import build_stack, concat_features, planned
+from jaxembed.collection.nnx import auto_plan, build_stack, concat_features, planned
 from jaxembed.kernels.arrays import is_explicit
 
 __all__ = ["EmbeddingBagCollection"]
@@ -34,12 +35,30 @@ def _mesh(mesh: Any) -> Any:
     return None if ctx.empty else ctx
 
 
+def _auto_plan(tables, features, mesh, placements, planner):
+    """`auto_plan`, cached: a Linen module's properties are recomputed on every access."""
+    if not (isinstance(placements, str) and placements == "auto"):
+        return auto_plan(tables, features, mesh, placements, None if planner is None else
+                         dict(planner))  # fmt: skip
+    try:
+        hash((tables, features, mesh, planner))
+    except TypeError:  # e.g. id_stats: planned again on each use
+        return auto_plan(tables, features, mesh, placements, dict(planner or ()))
+    return _cached_plan(tables, features, mesh, planner)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_plan(tables, features, mesh, planner):
+    return auto_plan(tables, features, mesh, "auto", None if planner is None else dict(planner))
+
+
 class EmbeddingBagCollection(nn.Module):
     """Embedding tables and the sparse features that read them, placed over a mesh (Linen).
 
     Attributes:
-      tables, features, mesh, placements, x_sharding, exchange: as
-        `jaxembed.nnx.EmbeddingBagCollection`'s arguments.
+      tables, features, mesh, placements, planner, x_sharding, exchange: as
+        `jaxembed.nnx.EmbeddingBagCollection`'s arguments (`placements="auto"` plans once
+        per module definition: `plan` is the result).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -59,18 +78,33 @@ class EmbeddingBagCollection(nn.Module):
     features: Sequence[FeatureConfig]
     mesh: Any = None
     placements: Any = None
+    planner: Any = None
     x_sharding: Any = None
     exchange: str = "auto"
 
     @property
+    def plan(self) -> Any:
+        """The `CollectionPlan` this module runs (None without one)."""
+        placements = self._placements
+        return placements if hasattr(placements, "table_configs") else None
+
+    @property
+    def _placements(self) -> Any:
+        planner = None if self.planner is None else tuple(sorted(dict(self.planner).items()))
+        return _auto_plan(tuple(self.tables), tuple(self.features), _mesh(self.mesh),
+                          self.placements, planner)  # fmt: skip
+
+    @property
     def layout(self) -> CollectionLayout:
-        placements = getattr(self.placements, "placements", self.placements)
-        tables, _ = planned(self.tables, self.placements, self.exchange)
-        return layout_collection(tables, self.features, _mesh(self.mesh), placements)
+        placements = self._placements
+        tables, _ = planned(self.tables, placements, self.exchange)
+        return layout_collection(
+            tables, self.features, _mesh(self.mesh), getattr(placements, "placements", placements)
+        )
 
     @property
     def _exchange(self) -> Any:
-        return planned(self.tables, self.placements, self.exchange)[1]
+        return planned(self.tables, self._placements, self.exchange)[1]
 
     def _stack_params(self) -> dict[int, jax.Array]:
         layout = self.layout
@@ -85,7 +119,7 @@ class EmbeddingBagCollection(nn.Module):
 
     def _init_stack(self, layout: CollectionLayout, index: int):
         stack = layout.stacks[index]
-        tables, _ = planned(self.tables, self.placements, self.exchange)
+        tables, _ = planned(self.tables, self._placements, self.exchange)
         configs = {t.name: t for t in tables}
         order = {t.name: i for i, t in enumerate(tables)}
 

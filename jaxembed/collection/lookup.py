@@ -152,13 +152,18 @@ def _operands(layout: CollectionLayout, group: Group, batch: Mapping[str, Any]):
     ids = jnp.concatenate(ids, axis=-1)
     lengths = jnp.concatenate(lengths, axis=-1)
     weights = jnp.concatenate(weights, axis=-1) if weights else None
+    # Dense inputs' lengths are constants: tied to the ids, XLA does not constant-fold the
+    # bag offsets and segments made from them (a [B, N] cumsum it would evaluate for seconds
+    # at compile time).
+    ids, lengths = jax.lax.optimization_barrier((ids, lengths))
     return ids, lengths, weights, pieces
 
 
 def _positions(values: jax.Array) -> jax.Array:
     """Each slot's index along the last axis, laid out as `values` (a constant `arange`
     would be replicated, which an Explicit mesh does not mix with a split array)."""
-    return jnp.cumsum(jnp.ones_like(values, jnp.int32), axis=-1) - 1
+    _, ones = jax.lax.optimization_barrier((values, jnp.ones_like(values, jnp.int32)))
+    return jnp.cumsum(ones, axis=-1) - 1  # not a constant: XLA does not fold it at compile time
 
 
 def _split(out: jax.Array, pieces, kind: str) -> dict[str, jax.Array]:

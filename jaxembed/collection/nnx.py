@@ -80,19 +80,39 @@ def concat_features(layout: CollectionLayout, outputs: Mapping[str, jax.Array]) 
     return jnp.concatenate(pooled, axis=-1)
 
 
+def auto_plan(tables, features, mesh, placements: Any, planner: Mapping[str, Any] | None):
+    """`placements="auto"`: the `jaxembed.plan_collection` result for `planner`'s budget
+    (`batch_size`, `memory_per_device`, and optionally `optimizer`, `id_stats`, `backend`);
+    any other `placements` as given."""
+    if not (isinstance(placements, str) and placements == "auto"):
+        if planner:
+            raise ValueError(
+                f"planner={dict(planner)!r} is for placements='auto' (plan now), but placements "
+                f"is {placements!r}: drop planner, or pass placements='auto'"
+            )
+        return placements
+    planner = dict(planner or {})
+    missing = [k for k in ("batch_size", "memory_per_device") if k not in planner]
+    if missing:
+        raise ValueError(
+            "placements='auto' plans the collection when it is built and needs the step's "
+            f"batch and each device's memory: pass planner={{'batch_size': ..., "
+            f"'memory_per_device': '2GiB'}} (missing {missing}), or "
+            "placements=jaxembed.plan_collection(...)"
+        )
+    if mesh is None:  # one device: everything is replicated, nothing to choose
+        return None
+    from jaxembed.plan.collection import plan_collection
+
+    return plan_collection(tuple(tables), tuple(features), mesh, **planner)
+
+
 def planned(tables: Sequence[TableConfig], placements: Any, exchange: Any):
     """The tables and exchange a `jaxembed.plan_collection` result chose (else as given)."""
     configs = getattr(placements, "table_configs", None)
     if configs is None:
         return tuple(tables), exchange
-    by_stack: dict[int, set[str]] = {}
-    for call in placements.calls:  # "none": nothing to exchange, whatever is asked
-        by_stack.setdefault(call.stack, set()).add(
-            "rows" if call.exchange == "none" else call.exchange
-        )
-    if exchange == "auto":
-        exchange = {s: e.pop() for s, e in by_stack.items() if len(e) == 1}
-    return tuple(configs), exchange
+    return tuple(configs), placements.exchanges if exchange == "auto" else exchange
 
 
 def _mesh(mesh: Any) -> Any:
@@ -114,9 +134,13 @@ class EmbeddingBagCollection(nnx.Module):
       tables: `TableConfig`s.
       features: `FeatureConfig`s.
       mesh: the mesh; default `jax.set_mesh`'s (None: one device, all replicated).
-      placements: placements for tables whose config says `"auto"`, or a
-        `jaxembed.plan_collection` result (its placements, row shardings and each stack's
-        exchange); without any, `"auto"` tables are split by rows over the whole mesh.
+      placements: placements for tables whose config says `"auto"`: a dict
+        `{table: placement}`, a `jaxembed.plan_collection` result (its placements, row
+        shardings and each stack's exchange), or `"auto"` to run the planner now with
+        `planner`'s budget (the plan is kept as `self.plan`); without any, `"auto"` tables
+        are split by rows over the whole mesh.
+      planner: with `placements="auto"`, `jaxembed.plan_collection`'s keyword arguments:
+        `batch_size` and `memory_per_device` (required), `optimizer`, `id_stats`, `backend`.
       x_sharding: the dense inputs' layout where it cannot be read (under `jit` in an Auto
         mesh), e.g. `P("data")`.
       exchange: the lookups' exchange (`"auto"`, `"rows"`, `"routed"`, ...).
@@ -144,12 +168,15 @@ class EmbeddingBagCollection(nnx.Module):
         features: Sequence[FeatureConfig],
         *,
         mesh: Any = None,
-        placements: Mapping[str, str] | None = None,
+        placements: Any = None,
+        planner: Mapping[str, Any] | None = None,
         x_sharding: Any = None,
         exchange: str = "auto",
         rngs: nnx.Rngs,
     ):
         mesh = _mesh(mesh)
+        placements = auto_plan(tables, features, mesh, placements, planner)
+        self.plan = placements if hasattr(placements, "table_configs") else None
         tables, exchange = planned(tables, placements, exchange)
         self.layout = layout_collection(tables, features, mesh, getattr(
             placements, "placements", placements))  # fmt: skip

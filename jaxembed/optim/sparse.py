@@ -182,6 +182,7 @@ class RowSparseOptimizer:
         if mesh is None or (mesh.size == 1 and x_spec is None and weight_spec is None):
             plan = self._plan(AbstractMesh((1,), ("_",)), ids, table, bags, combiner, P(), P(),
                               None, "auto", common)  # fmt: skip
+            _check_out_grad(plan, out_grad, bags)
             slots = tuple(state.slots[s.name] for s in self.formula.slots)
             (new_table, new_slots), overflow = _update_body(
                 plan, self.formula, len(slots), table, *slots, state.count, *operands, out_grad
@@ -198,6 +199,7 @@ class RowSparseOptimizer:
             )
         plan = self._plan(mesh, ids, table, bags, combiner, x_spec, weight_spec, out_spec,
                           exchange, common)  # fmt: skip
+        _check_out_grad(plan, out_grad, bags)
         operands = tuple(
             move(a, mesh, op.given) if not isinstance(a, jax.core.Tracer) else a
             for a, op in zip(operands, plan.operands, strict=True)
@@ -251,3 +253,22 @@ def _place(a: jax.Array, mesh: Any, spec: P) -> jax.Array:
     if is_explicit(mesh):
         return jax.sharding.reshard(a, spec)
     return move(a, mesh, spec)
+
+
+def _check_out_grad(plan: EmbeddingPlan, out_grad: Any, bags: Any) -> None:
+    """The output gradient must have the lookup's output shape."""
+    want = (*plan.out_batch_shape, plan.weight_shape[1])
+    got = tuple(getattr(out_grad, "shape", ()))
+    if got == want:
+        return
+    hint = ""
+    if bags is None and len(got) == len(want) - 1:
+        hint = (
+            "; a pooled gradient (of `embedding_bag`) needs the bag's arguments as the lookup "
+            "got them (combiner=, lengths=, offsets=, per_id_weights=)"
+        )
+    raise ValueError(
+        f"opt.update: out_grad has shape {got}, but the lookup's output has shape {want} "
+        f"({'bags' if bags is not None else 'ids'} {plan.x_shape}, hidden "
+        f"{plan.weight_shape[1]}): pass the gradient of the lookup's output{hint}"
+    )

@@ -75,9 +75,9 @@ class TablePlan:
 class CollectionPlan:
     """Placements for a collection and what they cost, per table and per device.
 
-    Pass it as `EmbeddingBagCollection(tables, features, placements=plan)` (it reads
-    `plan.placements`), or `EmbeddingBagCollection(plan.table_configs, features)` to also
-    get the planned row sharding. `str(plan)` prints the planner's table.
+    Pass it as `EmbeddingBagCollection(tables, features, placements=plan)`: the collection
+    runs its placements, row sharding (`plan.table_configs`) and per-stack exchanges
+    (`plan.exchanges`). `str(plan)` prints the planner's table.
 
     Attributes:
       mesh_axes: `((name, size), ...)`; batch_size, batch_axes: the batch and the mesh
@@ -93,8 +93,8 @@ class CollectionPlan:
         exchange buffers; peak_bytes: their sum.
       used_bytes: per device, the rows it really holds and their state.
       update_ms: per device, the modelled optimizer state traffic.
-      exchange: the `exchange=` of `EmbeddingBagCollection` that runs the plan's exchanges
-        (`"rows"` when no call routes, else `"auto"`).
+      exchange: `"rows"` when no call routes, else `"auto"` (kept for round-1 callers:
+        `exchanges` is what the calls run).
       evaluations: the layouts priced.
     """
 
@@ -119,6 +119,19 @@ class CollectionPlan:
     def placements(self) -> dict[str, str]:
         """`{table: placement}` for `EmbeddingBagCollection(..., placements=...)`."""
         return {t.name: t.placement for t in self.tables}
+
+    @property
+    def exchanges(self) -> dict[int, str]:
+        """`{stack index: exchange}` as the planned calls run them: the `exchange=` of
+        `jaxembed.collection.collection_lookup` and `collection_update` (the collection
+        modules read it from `placements=plan`). A stack whose calls differ is left out
+        (`"auto"` decides it); `"none"` runs as `"rows"` (nothing to exchange)."""
+        by_stack: dict[int, set[str]] = {}
+        for call in self.calls:
+            by_stack.setdefault(call.stack, set()).add(
+                "rows" if call.exchange == "none" else call.exchange
+            )
+        return {s: e.pop() for s, e in sorted(by_stack.items()) if len(e) == 1}
 
     @property
     def peak_bytes(self) -> int:
@@ -248,10 +261,12 @@ def plan_collection(
       >>> plan = plan_collection(tables, features, mesh, batch_size=4096,
       ...                        memory_per_device="256MiB", backend="gpu")
       >>> plan.placements  # a replica of item needs 260 MB
-      {'item': 'columns', 'user': 'columns', 'country': 'replicated', 'os': 'replicated'}
+      {'item': 'rows', 'user': 'rows', 'country': 'replicated', 'os': 'replicated'}
+      >>> plan.exchanges  # per stack: item and user share one, routed
+      {0: 'routed', 1: 'rows'}
       >>> print(plan)
       CollectionPlan  mesh: x=8  batch 4096 over (x)  backend gpu
-        modelled step 0.187 ms (slowest device); peak memory ...
+        modelled step 0.216 ms (slowest device); peak memory ...
       ...
       >>> plan_collection(tables, features, mesh, batch_size=4096, memory_per_device="8MiB")
       Traceback (most recent call last):

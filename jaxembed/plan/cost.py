@@ -9,14 +9,16 @@ One place for the numbers every plan uses:
 * **Time** is modelled per device as
 
       time ≈ wire_bytes / link_bandwidth + rows_touched · row_bytes / memory_bandwidth
-             + collectives · latency
+             + ids_sorted / sort_rate + collectives · latency
 
-  with one set of constants per backend (`BACKENDS`). The work term counts the table rows a
-  device gathers, scatters or updates: on a CPU, where a "collective" between simulated
-  devices is a memory copy, it is what tells a fast exchange from one that merely sends fewer
-  bytes. `jaxembed bench --calibrate` measures the CPU constants on the machine it runs on
-  and saves them; `load_constants` picks them up (set `JAXEMBED_COST_FILE` to choose the file,
-  or to an empty string to ignore it).
+  with one set of constants per backend and kernels (`BACKENDS`: `cpu` for XLA's kernels,
+  `cpu-native` for jaxembed's C++ ones, `gpu`, `tpu`). The work terms count the table rows a
+  device gathers, scatters or updates, and the ids it sorts (the routed exchange's buckets, a
+  row-sparse update's dedup): on a CPU, where a "collective" between simulated devices is a
+  memory copy, they are what tells a fast exchange from one that merely sends fewer bytes.
+  `jaxembed bench --calibrate` measures the CPU constants on the machine it runs on and saves
+  them; `load_constants` picks them up (set `JAXEMBED_COST_FILE` to choose the file, or to an
+  empty string to ignore it).
 
 Examples:
   >>> ring_wire_bytes("all-reduce", 4, 1024), ring_wire_bytes("all-to-all", 8, 8192)
@@ -80,6 +82,7 @@ class CostConstants:
       memory_bytes_per_s: bytes per second of table rows gathered, scattered or updated
         (random row access, not streaming bandwidth).
       latency_s: fixed cost of one collective.
+      sort_ids_per_s: ids per second a device sorts (or groups) by key.
       source: where the numbers come from (a default, or a calibration file).
     """
 
@@ -87,21 +90,32 @@ class CostConstants:
     link_bytes_per_s: float
     memory_bytes_per_s: float
     latency_s: float
+    sort_ids_per_s: float = 1e6
     source: str = "default"
 
 
 # Defaults: CPU from `jaxembed bench --calibrate` on the 2-core development machine with 8
-# simulated devices (a collective there is a memcpy between threads); GPU and TPU are
-# order-of-magnitude figures for one H100/H200 over NVLink and a TPU v5 chip over ICI.
+# simulated devices (a collective there is a memcpy between threads; all devices measured at
+# once, so the figures are per device under contention), XLA's kernels (`cpu`) and jaxembed's
+# native ones (`cpu-native`: rows that a masked gather skips cost nothing, and a radix sort);
+# GPU and TPU are order-of-magnitude figures for one H100/H200 over NVLink and a TPU v5 chip
+# over ICI.
 BACKENDS: dict[str, CostConstants] = {
-    "cpu": CostConstants("cpu", 1.1e9, 0.7e9, 200e-6),
-    "gpu": CostConstants("gpu", 150e9, 1.5e12, 15e-6),
-    "tpu": CostConstants("tpu", 90e9, 8e11, 10e-6),
+    "cpu": CostConstants("cpu", 1.4e9, 0.7e9, 160e-6, 2.0e6),
+    "cpu-native": CostConstants("cpu-native", 1.4e9, 3.0e9, 160e-6, 1.5e7),
+    "gpu": CostConstants("gpu", 150e9, 1.5e12, 15e-6, 2e9),
+    "tpu": CostConstants("tpu", 90e9, 8e11, 10e-6, 5e8),
 }
 
 
 def modelled_seconds(
-    constants: CostConstants, *, wire_bytes: float, rows: float, row_bytes: float, collectives: int
+    constants: CostConstants,
+    *,
+    wire_bytes: float,
+    rows: float,
+    row_bytes: float,
+    collectives: int,
+    sorted_ids: float = 0.0,
 ) -> float:
     """Modelled time of one device's share of a step.
 
@@ -111,6 +125,7 @@ def modelled_seconds(
       rows: table rows this device gathers, scatters or updates.
       row_bytes: bytes of one row as the device touches it (local hidden × itemsize).
       collectives: how many collectives run.
+      sorted_ids: ids this device sorts or groups by key.
 
     Returns:
       Seconds.
@@ -118,6 +133,7 @@ def modelled_seconds(
     return (
         wire_bytes / constants.link_bytes_per_s
         + rows * row_bytes / constants.memory_bytes_per_s
+        + sorted_ids / constants.sort_ids_per_s
         + collectives * constants.latency_s
     )
 
@@ -146,7 +162,7 @@ def save_constants(constants: CostConstants, path: Path | None = None) -> Path:
 
 
 def _load(backend: str) -> CostConstants:
-    default = BACKENDS.get(backend, BACKENDS["cpu"])
+    default = BACKENDS.get(backend, BACKENDS["cpu"])  # e.g. "cpu-native"
     path = calibration_path()
     if path is None or not path.exists():
         return default
@@ -166,11 +182,15 @@ class _Cached:
     def __init__(self):
         self._cache: dict[str, CostConstants] = {}
 
-    def __call__(self, backend: str = "cpu") -> CostConstants:
-        """The constants for `backend`: a calibration file's when there is one, else defaults."""
-        if backend not in self._cache:
-            self._cache[backend] = _load(backend)
-        return self._cache[backend]
+    def __call__(self, backend: str = "cpu", impl: str = "xla") -> CostConstants:
+        """The constants for `backend` and its kernels (`impl`: `"xla"` or `"native"`): a
+        calibration file's when there is one, else the defaults."""
+        key = f"{backend}-native" if impl == "native" and f"{backend}-native" in BACKENDS else (
+            backend
+        )  # fmt: skip
+        if key not in self._cache:
+            self._cache[key] = _load(key)
+        return self._cache[key]
 
     def cache_clear(self) -> None:
         self._cache.clear()

@@ -85,8 +85,9 @@ def rows_gathers(g: Geometry) -> tuple[list[Collective], int]:
 
 
 def choose_exchange(
-    requested, g: Geometry, forward, transposes, backend, *, update=False, extra=None
-):
+    requested, g: Geometry, forward, transposes, backend, *, update=False, extra=None,
+    impl="xla",
+):  # fmt: skip
     """Weighs the exchanges that apply and picks one (the requested one, or the cheapest).
 
     For a row-sparse update (`update=True`) the dense exchange is not a candidate: it would
@@ -99,9 +100,14 @@ def choose_exchange(
             "exchange='dense' all-reduces a gradient shard of the table's size, which a "
             "row-sparse update never builds: use exchange='rows' (or 'routed', or 'auto')"
         )
-    constants = cost.load_constants(backend)
+    constants = cost.load_constants(backend, impl)
     row_bytes = g.hidden_local * g.e
     slots = math.prod(g.ids_local)
+    # A masked gather or scatter pays for the slots whose rows this shard holds (a share 1/R
+    # of them): the native kernels skip the others, and XLA clips them onto one cached row
+    # (its gather) or drops them (its scatter), which `jaxembed bench bags` measures as free
+    # next to a random row.
+    share = 1.0 / max(prod(g.row_axes, g.sizes), 1)
     fwd_bytes = sum(c.wire_bytes for c in forward)
     fwd_count = len(forward)
     base_bytes = fwd_bytes + sum(c.wire_bytes for c in transposes)
@@ -111,8 +117,9 @@ def choose_exchange(
     def candidate(name, collectives, gathered, scattered, extra_rows, why):
         wire = base_bytes + sum(c.wire_bytes for c in collectives)
         seconds = cost.modelled_seconds(
-            constants, wire_bytes=wire, rows=gathered + scattered + extra_rows,
+            constants, wire_bytes=wire, rows=(gathered + scattered) * share + extra_rows,
             row_bytes=row_bytes, collectives=base_count + len(collectives),
+            sorted_ids=scattered if update else 0,  # an update deduplicates what it scatters
         )  # fmt: skip
         return ExchangeCandidate(name, wire, gathered, scattered, seconds * 1e3, why)
 

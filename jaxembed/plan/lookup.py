@@ -437,13 +437,13 @@ def _plan_cached(
         scatters=scatters, batch_axes=batch_axes, row_axes=row_axes, operands=operands,
         ids_entries=ids_entries, sizes=sizes, dtype=dtype, out_kept_local=out_kept_local,
         names=names, bag=bag, capacity=capacity, capacity_factor=capacity_factor, update=update,
-        out_moves_collectives=[c for c in forward if c.operand == "out" and
+        impl=impl, out_moves_collectives=[c for c in forward if c.operand == "out" and
                                c.op == "all_gather"], grad_collectives=grad_collectives,
         backend=backend, unreduced=unreduced,
     )  # fmt: skip
     exchange, reason, candidates, exchange_collectives, exchange_buffers = choose_exchange(
         exchange, geometry, forward, backward_transposes, backend, update=update,
-        extra={"routed": routed_option},
+        extra={"routed": routed_option}, impl=impl,
     )  # fmt: skip
     backward = backward_transposes + exchange_collectives
     if exchange == "routed":
@@ -548,7 +548,7 @@ def _update_collectives(operands, sizes, backward, optimizer_slots, hidden_axes,
 
 
 def _routed_option(*, scatters, batch_axes, row_axes, operands, ids_entries, sizes, dtype,
-                   out_kept_local, names, bag, capacity, capacity_factor, update,
+                   out_kept_local, names, bag, capacity, capacity_factor, update, impl,
                    out_moves_collectives, grad_collectives, backend, unreduced):  # fmt: skip
     """The routed exchange as a candidate: `(RoutedPlan, (candidate, [], buffers), operands)`,
     or `(None, reason, None)` where it does not apply."""
@@ -579,11 +579,17 @@ def _routed_option(*, scatters, batch_axes, row_axes, operands, ids_entries, siz
                    *routed.backward]  # fmt: skip
     wire = sum(c.wire_bytes for c in collectives)
     looked_up = routed.rows_looked_up
+    constants = cost.load_constants(backend, impl)
+    row_bytes = out_kept_local[-1] * itemsize(dtype)
+    # The owners gather and scatter n·C rows (and sum them over the other row axes); each
+    # source fetches its slots' rows back. Bucketing sorts the slots with XLA's sort in the
+    # forward and again in the backward; an update also deduplicates at the owner.
+    rest = prod(routed.rest_axes, sizes)
     seconds = cost.modelled_seconds(
-        cost.load_constants(backend), wire_bytes=wire,
-        rows=2 * looked_up + routed.slots, row_bytes=out_kept_local[-1] * itemsize(dtype),
-        collectives=len(collectives),
-    )  # fmt: skip
+        constants, wire_bytes=wire, rows=2 * looked_up * rest + routed.slots,
+        row_bytes=row_bytes, collectives=len(collectives),
+        sorted_ids=looked_up if update else 0,
+    ) + 2 * routed.slots / cost.load_constants(backend).sort_ids_per_s  # fmt: skip
     candidate = ExchangeCandidate(
         "routed", wire, looked_up + routed.slots, looked_up, seconds * 1e3,
         f"send each distinct id to its owner over {routed.axes}, capacity {routed.capacity}",
