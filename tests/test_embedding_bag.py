@@ -16,6 +16,7 @@ from test_embedding import check_hlo_against_plan, make_mesh, put
 
 import jaxembed
 from jaxembed import hlo
+from jaxembed.kernels import native
 
 ROWS, HIDDEN, VOCAB, PAD = 64, 16, 59, 7  # a padded table: 5 rows past the vocabulary
 
@@ -201,6 +202,43 @@ def test_one_device_and_eager():
             table, x, combiner=combiner, vocab_size=VOCAB, padding_idx=PAD
         )
         np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-6)
+
+
+IMPLS = ["xla", "native"] if native.available() else ["xla"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("form", ["dense", "flat", "flat-weighted"])
+@pytest.mark.parametrize("combiner", COMBINERS)
+def test_one_device_values_and_gradients(impl, form, combiner):
+    """Without a mesh: the native kernels (or XLA's ops) under jit, against float64."""
+    if combiner == "max" and form == "flat-weighted":
+        pytest.skip("a maximum is not weighted")
+    rng = np.random.default_rng(6)
+    table = rng.normal(size=(ROWS, HIDDEN)).astype(np.float32)
+    kw = dict(combiner=combiner, vocab_size=VOCAB, padding_idx=PAD)
+    if form == "dense":
+        x, arrays = dense_bags(rng, 6, 5), {}
+        x = np.where(x >= VOCAB, 1, x)  # ids past the table read nothing; keep them
+        ct = rng.normal(size=(6, HIDDEN)).astype(np.float32)
+    else:
+        x, lengths = flat_bags(rng, (3,), 4, 12)
+        x = np.where(x >= ROWS, 1, x)
+        arrays = {"lengths": lengths}
+        if form == "flat-weighted":
+            arrays["per_id_weights"] = rng.uniform(0.5, 2, x.shape).astype(np.float32)
+        ct = rng.normal(size=(3, 4, HIDDEN)).astype(np.float32)
+
+    def step(t, x, ct, arrays):
+        out, vjp = jax.vjp(lambda t: jaxembed.embedding_bag(x, t, impl=impl, **arrays, **kw), t)
+        return out, vjp(ct)[0]
+
+    text = jax.jit(step).lower(table, x, ct, arrays).compile().as_text()
+    assert ("jaxembed_pool" in text) == (impl == "native")
+    out, grad = jax.jit(step)(table, x, ct, arrays)
+    want_out, want_grad = reference(table, x, ct, **arrays, combiner=combiner)
+    np.testing.assert_allclose(np.asarray(out), want_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_inputs_name_the_value():

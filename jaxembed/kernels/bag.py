@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from jaxembed import ragged
@@ -370,6 +371,42 @@ def _bag_bwd(plan, mesh, residuals, cotangents):
 _bag.defvjp(_bag_fwd, _bag_bwd)
 
 
+# One device: the bodies run as they are (no collective to run, no shard_map needed), so
+# that the native kernels serve a program without a mesh too.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _local_bag(plan: EmbeddingPlan, operands: tuple, table: jax.Array):
+    return _forward_body(plan, *operands, table)[0]
+
+
+def _local_bag_fwd(plan, operands, table):
+    out, residuals, overflow = _forward_body(plan, *operands, table)
+    return out, (*residuals, overflow)
+
+
+def _local_bag_bwd(plan, residuals, out_grad):
+    zeros = tuple(None for _ in residuals[: len(plan.operands)])
+    return zeros, _backward_body(plan, *residuals, out_grad)
+
+
+_local_bag.defvjp(_local_bag_fwd, _local_bag_bwd)
+
+
+def _one_device_bag(bags: Bags, weight, combiner, vocab_size, padding_idx, impl):
+    """The one-device lookup: the native kernels where they run, else XLA's ops."""
+    plan = plan_embedding_bag(
+        AbstractMesh((1,), ("_",)), bags.ids.shape, weight.shape,
+        num_bags=None if bags.lengths is None else bags.lengths.shape[-1],
+        combiner=combiner, weighted=bags.weights is not None, x_spec=P(),
+        lengths_spec=None if bags.lengths is None else P(),
+        weights_spec=None if bags.weights is None else P(), weight_spec=P(),
+        padding_idx=padding_idx, vocab_size=vocab_size, dtype=weight.dtype,
+        ids_dtype=bags.ids.dtype, impl=impl,
+    )  # fmt: skip
+    if plan.impl != "native":
+        return _dense_bag(bags, combiner, weight, plan.vocab_size, padding_idx)
+    return _local_bag(plan, bags.operands(), weight)
+
+
 # --- the public entry point --------------------------------------------------------------------
 
 
@@ -521,7 +558,7 @@ def embedding_bag(
         validate_scalars(plan_vocab, padding_idx, weight.shape[0])
         if check_ids:
             _check_bag_ids(bags, plan_vocab)
-        out = _dense_bag(bags, combiner, weight, plan_vocab, padding_idx)
+        out = _one_device_bag(bags, weight, combiner, vocab_size, padding_idx, impl)
         return _with_stats(out, return_stats)
     weight_spec, x_spec = resolve_layouts(
         bags.ids, weight, mesh, x_spec=x_spec, weight_spec=weight_spec,
