@@ -153,9 +153,17 @@ def test_every_placement_matches_the_reference(mesh_name, row_sharding):
             return out, g
 
         out, grads = step(state, device_batch, cts)
+        # Every output in the batch's layout, the columns stack's too: a dense model can
+        # concatenate them.
+        for name, value in out.items():
+            want = NamedSharding(mesh, P(batch_axes, *(None,) * (value.ndim - 1)))
+            assert value.sharding.is_equivalent_to(want, value.ndim), (name, value.sharding)
+        joined = np.asarray(coll.concat(out))
     ref_out, ref_grads = reference_outputs(tables, batch, cts)
     for name, want in ref_out.items():
         np.testing.assert_allclose(np.asarray(out[name]), want, rtol=1e-5, atol=1e-5, err_msg=name)
+    want = np.concatenate([ref_out[f.name] for f in FEATURES if f.pooled], axis=-1)
+    np.testing.assert_allclose(joined, want, rtol=1e-5, atol=1e-5)
     stacks = {s.index: np.asarray(grads["stacks"][s.name][...]) for s in coll.layout.stacks}
     for name, g in unstack(coll.layout, stacks).items():
         np.testing.assert_allclose(np.asarray(g), ref_grads[name], rtol=1e-5, atol=1e-5,

@@ -131,7 +131,8 @@ def test_modelled_bytes_equal_the_compiled_lookup_and_update():
     assert {t: p.placement for t, p in coll.layout.placements} == plan.placements
     assert coll.exchange == plan.exchanges and "routed" in plan.exchanges.values()
     # The routed exchange compiles its exact fallback beside it (a cond): both count.
-    want = sum(c.forward_bytes + c.fallback_forward_bytes for c in plan.calls)
+    # ... and a columns stack's outputs move to the batch's layout.
+    want = sum(c.forward_bytes + c.fallback_forward_bytes + c.out_move_bytes[0] for c in plan.calls)
     assert hlo.total_wire_bytes(text) == want
     want = sum(c.update_bytes + c.fallback_update_bytes + c.out_move_bytes[1] for c in plan.calls)
     assert hlo.total_wire_bytes(update_text) == want

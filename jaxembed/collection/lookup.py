@@ -28,8 +28,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxembed import ragged
 from jaxembed.collection.layout import CollectionLayout, Stack
-from jaxembed.kernels.arrays import warn_once
+from jaxembed.kernels.arrays import move, resolve_mesh, warn_once
 from jaxembed.kernels.bag import embedding_bag
+from jaxembed.kernels.lookup import resolve_layouts
 
 __all__ = ["Group", "collection_lookup", "collection_update", "groups_of"]
 
@@ -210,15 +211,39 @@ def collection_lookup(
     for group in groups:
         stack = layout.stacks[group.stack]
         ids, lengths, weights, pieces = _operands(layout, group, batch)
+        table = stacks[group.stack]
         out = embedding_bag(
-            ids, stacks[group.stack], lengths=lengths, per_id_weights=weights,
+            ids, table, lengths=lengths, per_id_weights=weights,
             combiner=group.combiner, vocab_size=stack.shape[0], mesh=mesh,
             x_spec=_spec(x_spec, ids), weight_spec=stack.spec,
             exchange=_exchange(exchange, group.stack), capacity_factor=capacity_factor,
             check_ids=False, impl=impl,
         )  # fmt: skip
+        out = _to_batch_layout(out, stack, mesh, table, ids, x_spec)
         outputs.update(_split(out, pieces, group.kind))
     return {f.name: outputs[f.name] for f in layout.features}
+
+
+def _to_batch_layout(out: jax.Array, stack: Stack, mesh: Any, table, ids, x_spec: P | None):
+    """A columns stack's output `[*lead, bags, dim]` moved to the batch's layout, its dim
+    whole, as the other stacks' are, so that a dense model can put them side by side
+    (`concat`). XLA reshards it (an all_to_all over the hidden axes, and its transpose for
+    the gradient), as `jaxembed.plan_collection` models it."""
+    if not stack.hidden_axes:
+        return out
+    mesh = resolve_mesh(mesh, table, ids)
+    if mesh is None or mesh.size == 1:
+        return out
+    _, ids_spec = resolve_layouts(ids, table, mesh, x_spec=_spec(x_spec, ids),
+                                  weight_spec=stack.spec, function="collection_lookup")  # fmt: skip
+    lead = tuple(ids_spec)[: ids.ndim - 1]
+    # First the hidden axes the batch uses trade places with it (an all_to_all XLA sees as
+    # such), then the others are gathered: one reshard would replicate the whole output first.
+    batch_axes = {a for e in lead if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    rest = tuple(a for a in stack.hidden_axes if a not in batch_axes)
+    middle = (*lead, *(None,) * (out.ndim - 1 - len(lead)), rest or None)
+    out = move(out, mesh, P(*middle))
+    return move(out, mesh, P(*lead, *(None,) * (out.ndim - len(lead))))
 
 
 def _exchange(exchange: Any, stack: int) -> str:
