@@ -222,7 +222,7 @@ def test_skewed_ids_choose_mod_rows_and_block_rows_overflow_routed():
     rng = np.random.default_rng(0)
     hot = [{"clicked": rng.integers(0, 12_000, (512, 8))} for _ in range(3)]  # block shard 0
     stats = id_stats(hot, features)
-    kw = dict(batch_size=2048, memory_per_device="2MiB", backend="gpu")  # routes when uniform
+    kw = dict(batch_size=2048, memory_per_device="5MiB", backend="gpu")  # routes when uniform
     plan = plan_collection(tables, features, MESH, id_stats=stats, **kw)
     assert plan.placements == {"item": "rows"} and plan.calls[0].exchange == "routed"
     assert plan.table_configs[0].row_sharding == "mod" and plan.tables[0].row_sharding == "mod"

@@ -25,8 +25,9 @@ Round 2 adds subcommands, each a module with its own `main` and library function
 `bags` (`jaxembed.bench.bags`: pooled lookups against XLA's take + sum), `routed`
 (`jaxembed.bench.routed`: the routed exchange against the gather path, Zipf sweeps, the
 exchange choice over the batch), `recsys` (`jaxembed.bench.recsys`: the recommender step
-against XLA, Flax, keras-rs and TorchRec), and `jaxembed bench --calibrate` (the cost model's
-CPU constants, `jaxembed.bench.calibrate`).
+against XLA, Flax, keras-rs and TorchRec), `planner` (`jaxembed.bench.planner`: the collection
+planner's layout against uniform placements on the DLRM workload, modelled against measured),
+and `jaxembed bench --calibrate` (the cost model's CPU constants, `jaxembed.bench.calibrate`).
 
 Importing this package does not import jax (so `jaxembed.bench.workloads` stays numpy-only):
 the benchmark's modules load when a function needs them.
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
 __all__ = ["QUICK", "BenchConfig", "main", "run_bench", "targets"]
 
 SCHEMA = "jaxembed.bench/1"
-SUBCOMMANDS = ("sparse", "bags", "routed", "recsys")
+SUBCOMMANDS = ("sparse", "bags", "routed", "recsys", "planner")
 """`jaxembed bench NAME ...` runs `jaxembed.bench.NAME.main`."""
 
 # Names of the benchmark's modules, loaded on first use (they import jax).
@@ -423,12 +424,14 @@ def _parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="jaxembed bench",
-        usage="jaxembed bench [{sparse,bags,routed} ...] [-h] [--quick] [--json PATH] ...",
+        usage="jaxembed bench [{sparse,bags,routed,recsys,planner} ...] [-h] [--quick] "
+        "[--json PATH] ...",
         description="Benchmark jaxembed.embedding against XLA's jnp.take, Flax's Embed and a "
         "one-hot matmul: wire bytes, memory, compile time and step time per layout, with "
         "vocabulary, device and batch sweeps. Runs on 8 CPU devices unless jax is already up. "
         "Subcommands (each with its own -h): `sparse` (row-sparse training steps), `bags` "
-        "(pooled lookups), `routed` (the routed exchange); `--calibrate` measures the cost "
+        "(pooled lookups), `routed` (the routed exchange), `recsys` (against TorchRec and "
+        "keras-rs), `planner` (planned vs uniform placements); `--calibrate` measures the cost "
         "model's constants instead.",
     )
     p.add_argument("--quick", action="store_true", help="tiny shapes, few repeats (for tests)")

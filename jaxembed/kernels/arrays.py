@@ -267,3 +267,9 @@ def warn_if_layout_unknown(a: Any, mesh: Any, *, function: str, arg: str, what: 
             f"{arg}=PartitionSpec(...) (the Flax modules do), or use an Explicit mesh.",
             stacklevel=3,
         )
+
+
+def eager(*arrays: Any) -> bool:
+    """Whether a call runs op by op (no argument is a tracer): a `shard_map` body would then
+    be dispatched one primitive at a time (seconds per call), so the kernels jit it."""
+    return not any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(arrays))

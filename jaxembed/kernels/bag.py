@@ -30,6 +30,7 @@ from jaxembed import ragged
 from jaxembed.kernels import local as local_ops
 from jaxembed.kernels import routed as routed_ops
 from jaxembed.kernels.arrays import (
+    eager,
     layout_known,
     move,
     resolve_mesh,
@@ -369,6 +370,7 @@ def _bag_bwd(plan, mesh, residuals, cotangents):
 
 
 _bag.defvjp(_bag_fwd, _bag_bwd)
+_bag_jit = jax.jit(_bag, static_argnums=(0, 1))  # an eager call: one compiled program
 
 
 # One device: the bodies run as they are (no collective to run, no shard_map needed), so
@@ -389,6 +391,7 @@ def _local_bag_bwd(plan, residuals, out_grad):
 
 
 _local_bag.defvjp(_local_bag_fwd, _local_bag_bwd)
+_local_bag_jit = jax.jit(_local_bag, static_argnums=(0,))
 
 
 def _one_device_bag(bags: Bags, weight, combiner, vocab_size, padding_idx, impl):
@@ -404,7 +407,8 @@ def _one_device_bag(bags: Bags, weight, combiner, vocab_size, padding_idx, impl)
     )  # fmt: skip
     if plan.impl != "native":
         return _dense_bag(bags, combiner, weight, plan.vocab_size, padding_idx)
-    return _local_bag(plan, bags.operands(), weight)
+    run = _local_bag_jit if eager(bags.operands(), weight) else _local_bag
+    return run(plan, bags.operands(), weight)
 
 
 # --- the public entry point --------------------------------------------------------------------
@@ -585,7 +589,8 @@ def embedding_bag(
         move(a, mesh, op.given) if not isinstance(a, jax.core.Tracer) else a
         for a, op in zip(bags.operands(), plan.operands, strict=True)
     )
-    out, overflow = _bag(plan, mesh, operands, weight)
+    run = _bag_jit if eager(operands, weight) else _bag
+    out, overflow = run(plan, mesh, operands, weight)
     return (out, LookupStats(overflow)) if return_stats else out
 
 

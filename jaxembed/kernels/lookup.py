@@ -26,6 +26,7 @@ from jaxembed.kernels import local as local_ops
 from jaxembed.kernels import routed as routed_ops
 from jaxembed.kernels.arrays import (
     assumed_ids_spec,
+    eager,
     layout_known,
     move,
     normalize_spec,
@@ -185,6 +186,7 @@ def _lookup_bwd(plan, mesh, residuals, cotangents):
 
 
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)
+_lookup_jit = jax.jit(_lookup, static_argnums=(0, 1))  # an eager call: one compiled program
 
 
 # --- layouts: read, checked, or assumed --------------------------------------------------------
@@ -514,5 +516,6 @@ def lookup(
     check_ids_eagerly(x, plan.vocab_size)
     if not isinstance(x, jax.core.Tracer):
         x = move(x, mesh, plan.x_spec)  # a concrete array is put where x_spec says
-    out, overflow = _lookup(plan, mesh, x, weight)
+    run = _lookup_jit if eager(x, weight) else _lookup
+    out, overflow = run(plan, mesh, x, weight)
     return (out, LookupStats(overflow)) if return_stats else out

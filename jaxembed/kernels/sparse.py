@@ -70,6 +70,7 @@ def apply_rows(
     *,
     hidden_axes: tuple[str, ...],
     hidden_size: int,
+    dedup: Any = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """One row-sparse step on a shard: dedup, gather, the formula, scatter.
 
@@ -83,12 +84,14 @@ def apply_rows(
       grads: f[M, H/K] each slot's gradient.
       hidden_axes: the mesh axes splitting the hidden axis (a row's mean of g² sums them).
       hidden_size: the global H.
+      dedup: `dedup_rows` or a twin with its result (the native kernels' radix sort: a
+        split hidden axis keeps the rest of the step here, for the row sums' `psum`).
 
     Returns:
       The new shard and state.
     """
     rows = table.shape[0]
-    unique, which = dedup_rows(local, valid, rows)  # i32[M], i32[M]
+    unique, which = (dedup or dedup_rows)(local, valid, rows)  # i32[M], i32[M]
     g = jnp.where(valid[:, None], grads.astype(jnp.float32), 0.0)
     g = jax.ops.segment_sum(g, which, num_segments=local.shape[0])  # f32[M, H/K] summed
     w = table.at[unique].get(mode="fill", fill_value=0)

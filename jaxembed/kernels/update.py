@@ -67,6 +67,8 @@ def _update_body(plan: EmbeddingPlan, formula: Any, num_slots: int, *arrays):
 
     native = local_ops.native_update(plan)
     apply = local_ops.kernels_for(plan).apply_rows if native else apply_rows
+    if not native and plan.impl == "native":  # a split hidden axis: only the dedup is native
+        apply = functools.partial(apply_rows, dedup=local_ops.kernels_for(plan).dedup_rows)
 
     def consume(local, here, grads):
         return apply(

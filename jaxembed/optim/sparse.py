@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxembed.kernels.arrays import is_explicit, move, resolve_mesh, stated_spec
+from jaxembed.kernels.arrays import eager, is_explicit, move, resolve_mesh, stated_spec
 from jaxembed.kernels.bag import prepare_bags
 from jaxembed.kernels.lookup import as_ids, check_table, cotangent_spec, resolve_layouts
 from jaxembed.kernels.update import _update_body, sparse_update
@@ -207,7 +207,8 @@ class RowSparseOptimizer:
         ct_spec = cotangent_spec(plan)
         out_grad = move(out_grad, mesh, ct_spec)
         slots = tuple(state.slots[s.name] for s in self.formula.slots)
-        (new_table, new_slots), overflow = sparse_update(
+        run = _sparse_update_jit if eager(table, slots, operands, out_grad) else sparse_update
+        (new_table, new_slots), overflow = run(
             plan, self.formula, mesh, table, slots, state.count, operands, out_grad, ct_spec
         )
         return new_table, self._state(state, new_slots, overflow)
@@ -272,3 +273,7 @@ def _check_out_grad(plan: EmbeddingPlan, out_grad: Any, bags: Any) -> None:
         f"({'bags' if bags is not None else 'ids'} {plan.x_shape}, hidden "
         f"{plan.weight_shape[1]}): pass the gradient of the lookup's output{hint}"
     )
+
+
+# An eager update: one compiled program rather than a `shard_map` run op by op.
+_sparse_update_jit = jax.jit(sparse_update, static_argnums=(0, 1, 2, 8))

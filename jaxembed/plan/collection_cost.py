@@ -169,7 +169,8 @@ def _options(ctx: Context, x_shape, stack: Stack, num_bags: int, combiner: str):
         options[c.name] = _Option(
             name=c.name, plan=p, ms=c.modelled_ms + extra * 1e3,
             update_bytes=p.backward_wire_bytes, out_move_bytes=(out_fwd, out_bwd),
-            transient_bytes=mem.ids * (2 if weighted else 1) + mem.out + mem.exchange_buffers,
+            transient_bytes=mem.ids * (2 if weighted else 1) + mem.out + mem.exchange_buffers
+            + mem.update_buffers,
         )  # fmt: skip
     ctx.plans[key] = options
     return options
@@ -367,7 +368,10 @@ def evaluate(
                 t = by_table[name]
                 distinct = distinct_draws(ctx.batch_size * ids_per_example, ctx.vocab_eff(t))
                 rows += distinct * _shares(ctx, t, layout, stack)[shards]
-            update = rows * state_row * 2 / ctx.constants.memory_bytes_per_s * 1e3
+            memory_rate = cost.load_constants(ctx.constants.backend, o.plan.impl + (
+                "-dedup" if o.plan.impl == "native" and stack.hidden_axes else ""
+            )).memory_bytes_per_s  # the kernels that update this stack's rows  # fmt: skip
+            update = rows * state_row * 2 / memory_rate * 1e3
             update_total += update
             out_bytes = (ctx.batch_size // math.prod(ctx.sizes[a] for a in ctx.batch_axes)
                          * num_bags * stack.dim * np.dtype(stack.dtype).itemsize)  # fmt: skip

@@ -433,17 +433,20 @@ def _plan_cached(
         row_axes=row_axes, hidden_local=out_kept_local[-1], is_bag=bag is not None,
         is_max=is_max, gathers=gathers,
     )  # fmt: skip
+    # What runs: a native update needs the hidden axis whole; over a split one only its
+    # dedup is native (`jaxembed.kernels.update`).
+    price_impl = "native-dedup" if impl == "native" and update and hidden_axes else impl
     routed, routed_option, routed_operands = _routed_option(
         scatters=scatters, batch_axes=batch_axes, row_axes=row_axes, operands=operands,
         ids_entries=ids_entries, sizes=sizes, dtype=dtype, out_kept_local=out_kept_local,
         names=names, bag=bag, capacity=capacity, capacity_factor=capacity_factor, update=update,
-        impl=impl, out_moves_collectives=[c for c in forward if c.operand == "out" and
+        impl=price_impl, out_moves_collectives=[c for c in forward if c.operand == "out" and
                                c.op == "all_gather"], grad_collectives=grad_collectives,
         backend=backend, unreduced=unreduced,
     )  # fmt: skip
     exchange, reason, candidates, exchange_collectives, exchange_buffers = choose_exchange(
         exchange, geometry, forward, backward_transposes, backend, update=update,
-        extra={"routed": routed_option}, impl=impl,
+        extra={"routed": routed_option}, impl=price_impl,
     )  # fmt: skip
     backward = backward_transposes + exchange_collectives
     if exchange == "routed":
@@ -480,7 +483,9 @@ def _plan_cached(
         weight_grad_f32=0 if update else grad_shard,
         exchange_buffers=exchange_buffers,
         touched_rows=touched,
-        update_buffers=(touched * (h_local * (2 + per_element) + per_row) * 4) if update else 0,
+        update_buffers=_update_buffers(
+            update, impl, hidden_axes, touched, h_local, per_element, per_row
+        ),
         state_bytes=grad_shard_shape[0] * (h_local * per_element + per_row) * 4,
     )
     return EmbeddingPlan(
@@ -522,6 +527,19 @@ def _plan_cached(
         routed=routed,
         impl=impl,
     )
+
+
+def _update_buffers(update, impl, hidden_axes, touched, h_local, per_element, per_row) -> int:
+    """A row-sparse update's transient bytes per device, float32 and int32, over the M slots
+    it touches. The native update (hidden axis whole) fuses the bag's backward into the
+    update: only each slot's local row, flag, bag and factor are materialized. XLA's holds
+    the slots' gradients, their per-row sums, the rows and state it gathers and the new
+    ones (`[M, H/K]` each), and its dedup's sort keys, order and positions (`[M]` each)."""
+    if not update:
+        return 0
+    if impl == "native" and not hidden_axes:
+        return touched * 4 * 4
+    return touched * (h_local * (4 + per_element) + per_row + 6) * 4
 
 
 def _update_collectives(operands, sizes, backward, optimizer_slots, hidden_axes, is_max,
