@@ -358,7 +358,10 @@ def test_spec_longer_than_rank(arrays):
         ({"padding_idx": 10, "vocab_size": 10}, r"padding_idx must be in \[0, 10\)"),
         ({"vocab_size": 65}, r"vocab_size must be in \[1, 64\]"),
         ({"vocab_size": 0}, r"vocab_size must be in \[1, 64\]"),
-        ({"gradient_exchange": "fast"}, r"exchange must be one of \('auto', 'dense', 'rows', 'routed'\), got 'fast'"),
+        (
+            {"gradient_exchange": "fast"},
+            r"exchange must be one of \('auto', 'dense', 'rows', 'routed'\), got 'fast'",
+        ),
     ],
 )
 def test_bad_scalars(arrays, kwargs, match):
