@@ -14,6 +14,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from flax.linen.linear import default_embed_init
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -131,7 +132,7 @@ class EmbeddingBagCollection(nn.Module):
                 values[name] = init_fn(
                     jax.random.fold_in(key, order[name]), (t.vocab_size, t.dim), t.dtype
                 )
-            array = build_stack(layout, stack, values)
+            array = jnp.asarray(build_stack(layout, stack, values))
             mesh = _mesh(self.mesh)
             if mesh is None:
                 return array

@@ -43,12 +43,31 @@ def build_stack(
     """The physical stack holding `values[name]` (each `[V, dim]` in id order, or `[V]` with
     `per_row`, a one-per-row optimizer state) in its rows."""
     shape = stack.shape[:1] if per_row else stack.shape
-    out = jnp.zeros(shape, jnp.float32 if per_row else stack.dtype)
+    dtype = jnp.float32 if per_row else stack.dtype
+    concrete = not any(isinstance(values[n], jax.core.Tracer) for n in stack.tables)
+    # Concrete values are stacked on the host (numpy, one buffer), not by an op per table on
+    # arrays that a mesh context may replicate on every device.
+    out = np.zeros(shape, dtype) if concrete else jnp.zeros(shape, dtype)
     for name in stack.tables:
         p = layout.placement(name)
         rows = p.stack_ids(np.arange(p.vocab_size, dtype=np.int32), stack.local_rows)
-        out = out.at[rows].set(jnp.asarray(values[name], out.dtype))
+        if concrete:
+            out[rows] = np.asarray(values[name], dtype)
+        else:
+            out = out.at[rows].set(jnp.asarray(values[name], dtype))
     return out
+
+
+def place(array: Any, mesh: Any, spec: P) -> Any:
+    """A host-built stack put straight into its layout on the mesh (a traced one as is)."""
+    if not isinstance(array, np.ndarray):
+        return array
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        concrete = jax.sharding.get_mesh()
+        mesh = concrete if getattr(concrete, "axis_names", None) == mesh.axis_names else None
+    if not isinstance(mesh, jax.sharding.Mesh) or mesh.empty:
+        return jnp.asarray(array)
+    return jax.device_put(array, NamedSharding(mesh, spec))
 
 
 def unstack(layout: CollectionLayout, stacks: Mapping[int, jax.Array]) -> dict[str, jax.Array]:
@@ -68,9 +87,14 @@ def unstack(layout: CollectionLayout, stacks: Mapping[int, jax.Array]) -> dict[s
             sharding = jax.typeof(array).sharding
             if is_explicit(getattr(sharding, "mesh", None)):
                 spec = P(None, s.spec[1]) if array.ndim == 2 else P(None)
-                out[name] = array.at[rows].get(out_sharding=NamedSharding(sharding.mesh, spec))
+                value = array.at[rows].get(out_sharding=NamedSharding(sharding.mesh, spec))
             else:
-                out[name] = jnp.take(array, rows, axis=0)
+                value = jnp.take(array, rows, axis=0)
+            if not isinstance(value, jax.core.Tracer):
+                # One eager gather at a time: many collective programs in flight at once
+                # can starve XLA:CPU's rendezvous (it aborts after 40 s).
+                value = jax.block_until_ready(value)
+            out[name] = value
     return out
 
 
@@ -189,7 +213,7 @@ class EmbeddingBagCollection(nnx.Module):
             values[t.name] = init(rngs.params(), (t.vocab_size, t.dim), t.dtype)
         stacks = {}
         for s in self.layout.stacks:
-            array = build_stack(self.layout, s, values)
+            array = place(build_stack(self.layout, s, values), mesh, s.spec)
             if mesh is not None and isinstance(mesh, jax.sharding.Mesh) and not is_explicit(mesh):
                 array = jax.device_put(array, NamedSharding(mesh, s.spec))
             stacks[s.name] = Table(array, out_sharding=tuple(s.spec) if mesh is not None else None)
@@ -207,7 +231,9 @@ class EmbeddingBagCollection(nnx.Module):
 
         Returns:
           `{feature: [B, dim]}` for pooled features (`[*lead·B, dim]` for a `Ragged`), and
-          `[B, L, dim]` for unpooled ones.
+          `[B, L, dim]` for unpooled ones, in feature order. Read them by name, or with
+          `concat`: a dict that passes through a JAX transformation (`value_and_grad`,
+          `jit`'s outputs) comes back with its keys sorted, as every pytree dict.
         """
         recording = tape.active() is not None
         stacks = self._stacks()
@@ -236,6 +262,7 @@ class EmbeddingBagCollection(nnx.Module):
             old = self.stacks[s.name][...]
             if isinstance(getattr(old, "sharding", None), NamedSharding):
                 array = jax.device_put(array, old.sharding)
+            array = jnp.asarray(array)
             self.stacks[s.name][...] = array
 
     def init_optimizer(self, optimizer: Any) -> dict[int, Any]:
@@ -270,7 +297,7 @@ class EmbeddingBagCollection(nnx.Module):
                 old = state.slots[slot.name]
                 if isinstance(getattr(old, "sharding", None), NamedSharding):
                     array = jax.device_put(array, old.sharding)
-                slots[slot.name] = array
+                slots[slot.name] = jnp.asarray(array)
             count = np.asarray(exported[s.tables[0]]["count"], np.int32)
             if isinstance(getattr(state.count, "sharding", None), NamedSharding):
                 count = jax.device_put(count, state.count.sharding)
