@@ -35,6 +35,7 @@ NOTEBOOKS = [
     "01_sharding_rules.ipynb",
     "02_shard_map_embedding.ipynb",
     "03_flax_training.ipynb",
+    "04_recsys.ipynb",
 ]
 
 CELL_TIMEOUT_S = 180  # per cell; a whole small run takes seconds
