@@ -139,6 +139,43 @@ def test_modelled_bytes_equal_the_compiled_lookup_and_update():
     assert any(c.out_move_bytes[1] > 0 for c in plan.calls)  # the columns output's gradient
 
 
+@pytest.mark.parametrize("widths", [(4, 5, 5), (8, 1)])  # stacked [B, 3, 5]; side by side
+def test_modelled_bytes_equal_the_compiled_call_of_each_form(widths):
+    # Pooled dense features of similar widths are one [B, F, L] call (padded to the widest),
+    # others one [B, ΣL] call with lengths: the planner must price the form that runs.
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    tables = [TableConfig("t", 4000, 8, placement="rows"),
+              TableConfig("u", 300, 8, placement="rows")]  # fmt: skip
+    features = [FeatureConfig(f"f{i}", "t" if i % 2 == 0 else "u",
+                              ("sum", "mean", "sqrtn")[i % 3], w)
+                for i, w in enumerate(widths)]  # fmt: skip
+    plan = plan_collection(tables, features, mesh, batch_size=B, memory_per_device="64MiB")
+    forms = {len(c.x_shape) for c in plan.calls}
+    assert forms == ({3} if len(widths) == 3 else {2})
+    data = NamedSharding(mesh, P(("data", "model")))
+    opt = jaxembed.optim.rowwise_adagrad(0.1)
+    with jax.set_mesh(mesh):
+        coll = nnx.eval_shape(lambda: jaxembed.nnx.EmbeddingBagCollection(
+            tables, features, placements=plan, exchange=plan.exchange, rngs=nnx.Rngs(0)))  # fmt: skip
+        batch = {f.name: jax.ShapeDtypeStruct((B, f.max_ids), np.int32, sharding=data)
+                 for f in features}  # fmt: skip
+        graphdef, state = nnx.split(coll)
+        lookup = jax.jit(lambda s, b: nnx.merge(graphdef, s)(b))
+        text = lookup.lower(state, batch).compile().as_text()
+        grads = {k: jax.ShapeDtypeStruct(v.shape, np.float32, sharding=data)
+                 for k, v in jax.eval_shape(lookup, state, batch).items()}  # fmt: skip
+        stacks = {s.index: coll.stacks[s.name].get_value() for s in coll.layout.stacks}
+        states = jax.eval_shape(lambda st: {s.index: opt.init(
+            st[s.index], mesh=mesh, weight_spec=s.spec) for s in coll.layout.stacks}, stacks)  # fmt: skip
+        update = jax.jit(lambda st, ss, b, g: collection_update(
+            coll.layout, opt, st, ss, b, g, mesh=mesh, exchange=plan.exchanges))  # fmt: skip
+        update_text = update.lower(stacks, states, batch, grads).compile().as_text()
+    want = sum(c.forward_bytes + c.fallback_forward_bytes for c in plan.calls)
+    assert hlo.total_wire_bytes(text) == want > 0
+    want = sum(c.update_bytes + c.fallback_update_bytes for c in plan.calls)
+    assert hlo.total_wire_bytes(update_text) == want > 0
+
+
 def test_tiny_tables_are_replicated_when_memory_allows():
     plan = plan_for("4MiB")  # item's replica (100000 x (12 + 1) x 4 bytes) does not fit
     tiny = ("country", "hour", "dev", "os")  # dim 4: no columns split over 8 devices

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxembed.collection.config import FeatureConfig, TableConfig, check_configs
 
-__all__ = ["CollectionLayout", "Stack", "TablePlacement", "layout_collection"]
+__all__ = ["CollectionLayout", "Stack", "TablePlacement", "layout_collection", "stacked_width"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +61,28 @@ class TablePlacement:
         valid = (ids >= 0) & (ids < self.vocab_size)
         safe = xp.where(valid, ids, 0)
         k = len(self.shards)
-        if self.row_sharding == "mod" and k > 1:
+        if k == 1:  # the whole table on one shard: no division (XLA:CPU divides slowly)
+            which, r = 0, safe
+        elif self.row_sharding == "mod":
             which, r = safe % k, safe // k
         else:
             which, r = safe // self.rows_per_shard, safe % self.rows_per_shard
         shard = self.shards[0] + which  # a table's shards are consecutive
         return xp.where(valid, shard * local_rows + self.offset + r, -1).astype(np.int32)
+
+
+def stacked_width(widths: Sequence[int]) -> int | None:
+    """The L of pooled dense features' ids stacked as `[B, F, L]` (the dense bag form: bag
+    `(b, f)` is row `(b, f)`), when padding every feature to the widest adds at most a
+    quarter more slots than putting them side by side (`[B, ΣL_f]`, the flat form, whose
+    bags need segments made from lengths); else None.
+
+    Examples:
+      >>> stacked_width([20, 20, 16]), stacked_width([20, 1, 1])
+      (20, None)
+    """
+    widest = max(widths)
+    return widest if len(widths) * widest <= 1.25 * sum(widths) else None
 
 
 def _jnp():

@@ -1,11 +1,15 @@
 """A collection's lookup and row-sparse update: one bag lookup per stack and input shape.
 
 Per stack, the features whose inputs have the same form are one call of
-`jaxembed.embedding_bag` in its flat form:
+`jaxembed.embedding_bag`:
 
-* dense inputs `ids [B, L_f]` (negative ids: empty slots), pooled or unpooled: the ids of
-  all of them side by side, `[B, ΣL_f]` with `lengths [B, F]` — a pooled feature is one bag
-  of L_f slots per example, an unpooled one L_f bags of one slot;
+* dense inputs `ids [B, L_f]` (negative ids: empty slots), all pooled, of similar widths:
+  stacked as `[B, F, L]` (each padded with empty slots to the widest), the dense form, bag
+  `(b, f)` is row `(b, f)` (`stacked_width`): no segments to make from lengths, the cheapest
+  call;
+* other dense inputs, pooled or unpooled: in the flat form, the ids of all of them side by
+  side, `[B, ΣL_f]` with `lengths [B, F]` — a pooled feature is one bag of L_f slots per
+  example, an unpooled one L_f bags of one slot;
 * `Ragged` inputs with the same lead shape: their values side by side, each followed by a
   "gap" bag over its unused slots (ids -1), so that each feature's bags read its own block.
 
@@ -27,7 +31,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxembed import ragged
-from jaxembed.collection.layout import CollectionLayout, Stack
+from jaxembed.collection.layout import CollectionLayout, Stack, stacked_width
 from jaxembed.kernels.arrays import move, resolve_mesh, warn_once
 from jaxembed.kernels.bag import embedding_bag
 from jaxembed.kernels.lookup import resolve_layouts
@@ -40,7 +44,8 @@ class Group:
     """One call: features of one stack whose inputs share a form (static description)."""
 
     stack: int
-    kind: str  # "dense" (ids [B, L]) or "ragged" (values [*lead, N], lengths [*lead, B])
+    kind: str  # "stacked" (ids [B, F, L]), "dense" (ids [B, ΣL_f], lengths [B, F]) or
+    # "ragged" (values [*lead, N], lengths [*lead, B])
     combiner: str  # "sum" (weighted: sum, mean, sqrtn, unpooled) or "max"
     features: tuple[str, ...]
 
@@ -106,7 +111,20 @@ def groups_of(layout: CollectionLayout, batch: Mapping[str, Any]) -> list[Group]
         combiner = "max" if f.combiner == "max" else "sum"
         key = (layout.placement(f.table).stack, kind, lead, combiner)
         keys.setdefault(key, []).append(f.name)
-    return [Group(k[0], k[1], k[3], tuple(v)) for k, v in keys.items()]
+    groups = []
+    for (stack, kind, _, combiner), names in keys.items():
+        if kind == "dense" and _stackable(layout, batch, names):
+            kind = "stacked"
+        groups.append(Group(stack, kind, combiner, tuple(names)))
+    return groups
+
+
+def _stackable(layout: CollectionLayout, batch: Mapping[str, Any], names) -> bool:
+    """Whether dense pooled features' ids stack as `[B, F, L]` (`stacked_width`)."""
+    features = {f.name: f for f in layout.features}
+    if not all(features[n].pooled for n in names):
+        return False
+    return stacked_width([_as_input(n, batch[n])[1].shape[-1] for n in names]) is not None
 
 
 def _operands(layout: CollectionLayout, group: Group, batch: Mapping[str, Any]):
@@ -114,6 +132,8 @@ def _operands(layout: CollectionLayout, group: Group, batch: Mapping[str, Any]):
     to split its output `[*lead, B_total, dim]` back into features."""
     stack = layout.stacks[group.stack]
     features = {f.name: f for f in layout.features}
+    if group.kind == "stacked":
+        return _stacked_operands(layout, group, batch)
     ids, lengths, weights, pieces = [], [], [], []
     bag = 0
     for name in group.features:
@@ -160,6 +180,29 @@ def _operands(layout: CollectionLayout, group: Group, batch: Mapping[str, Any]):
     return ids, lengths, weights, pieces
 
 
+def _stacked_operands(layout: CollectionLayout, group: Group, batch: Mapping[str, Any]):
+    """The dense-form operands of pooled dense features: ids `[B, F, L]` (each feature's
+    `[B, L_f]` padded with empty slots to L = max L_f), its factors, no lengths: bag `(b, f)`
+    is row `(b, f)`, so the call needs no segments made from lengths."""
+    stack = layout.stacks[group.stack]
+    features = {f.name: f for f in layout.features}
+    width = max(_as_input(n, batch[n])[1].shape[-1] for n in group.features)
+    ids, weights, pieces = [], [], []
+    for index, name in enumerate(group.features):
+        f = features[name]
+        _, values, _, w = _as_input(name, batch[name])
+        gid = layout.placement(f.table).stack_ids(values.astype(jnp.int32), stack.local_rows)
+        pad = [(0, 0)] * (gid.ndim - 1) + [(0, width - gid.shape[-1])]
+        if group.combiner == "sum":
+            valid = gid >= 0
+            scale = ragged.bag_scales(valid, jnp.where(valid, 0, -1), w, 1, f.combiner or "sum")
+            weights.append(jnp.pad(scale, pad))
+        ids.append(jnp.pad(gid, pad, constant_values=-1))
+        pieces.append((name, index, 1, True))
+    weights = jnp.stack(weights, axis=-2) if weights else None
+    return jnp.stack(ids, axis=-2), None, weights, pieces
+
+
 def _positions(values: jax.Array) -> jax.Array:
     """Each slot's index along the last axis, laid out as `values` (a constant `arange`
     would be replicated, which an Explicit mesh does not mix with a split array)."""
@@ -171,7 +214,7 @@ def _split(out: jax.Array, pieces, kind: str) -> dict[str, jax.Array]:
     result = {}
     for name, start, count, pooled in pieces:
         block = out[..., start : start + count, :]  # [*lead, count, dim]
-        if kind == "dense" and pooled:
+        if kind in ("dense", "stacked") and pooled:
             block = block[..., 0, :]  # [B, dim]
         elif kind == "ragged":
             block = block.reshape(-1, block.shape[-1])  # [*lead * B_f, dim]: the blocks in order
@@ -321,7 +364,7 @@ def _join(group: Group, pieces, out_grads, ids, stack: Stack) -> jax.Array:
     blocks = []
     for name, _, count, pooled in pieces:
         g = jnp.asarray(out_grads[name])
-        if group.kind == "dense":
+        if group.kind in ("dense", "stacked"):
             g = g[..., None, :] if pooled else g
         else:
             g = g.reshape(*lead, count, stack.dim)

@@ -2,9 +2,10 @@
 
 A layout (`jaxembed.collection.layout_collection`) makes one `embedding_bag` call per stack
 and combiner (max-pooled features apart), exactly as `jaxembed.collection.lookup` runs it:
-the features' dense ids side by side, `[batch, Σ max_ids]`, one bag per pooled feature and
-one per slot of an unpooled one, weighted (the combiners' per-slot factors), lengths made
-on the device (replicated). Each call is planned with `plan_embedding_bag(..., update=True)`
+pooled features of similar widths stacked `[batch, F, max_ids]` (the dense form), others'
+dense ids side by side, `[batch, Σ max_ids]`, one bag per pooled feature and one per slot of
+an unpooled one, lengths made on the device (replicated); weighted (the combiners' per-slot
+factors). Each call is planned with `plan_embedding_bag(..., update=True)`
 once per exchange that applies, and per device:
 
     time   = Σ calls  the plan's modelled ms of the cheapest exchange (lookup and backward:
@@ -34,7 +35,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxembed.collection.config import FeatureConfig, TableConfig
-from jaxembed.collection.layout import CollectionLayout, Stack, layout_collection
+from jaxembed.collection.layout import CollectionLayout, Stack, layout_collection, stacked_width
 from jaxembed.plan import cost
 from jaxembed.plan.idstats import IdStats, distinct_draws, effective_vocab
 from jaxembed.plan.lookup import plan_embedding_bag
@@ -143,16 +144,17 @@ def _update_extra(ctx: Context, p: EmbeddingPlan) -> tuple[float, int]:
 _OPERANDS = ("ids", "lengths", "weights")
 
 
-def _options(ctx: Context, x_shape, stack: Stack, num_bags: int, combiner: str):
-    key = (x_shape, stack.shape, stack.spec, num_bags, combiner, stack.dtype)
+def _options(ctx: Context, x_shape, stack: Stack, num_bags: int, combiner: str, dense: bool):
+    key = (x_shape, stack.shape, stack.spec, num_bags, combiner, stack.dtype, dense)
     if key in ctx.plans:
         return ctx.plans[key]
     weighted = combiner == "sum"
 
     def plan(exchange):
         return plan_embedding_bag(
-            ctx.mesh, x_shape, stack.shape, num_bags=num_bags, combiner=combiner,
-            weighted=weighted, x_spec=ctx.x_spec, lengths_spec=P(),
+            ctx.mesh, x_shape, stack.shape, num_bags=None if dense else num_bags,
+            combiner=combiner, weighted=weighted, x_spec=ctx.x_spec,
+            lengths_spec=None if dense else P(),
             weights_spec=ctx.x_spec if weighted else None, weight_spec=stack.spec,
             dtype=stack.dtype, exchange=exchange, update=True, backend=ctx.constants.backend,
             optimizer_slots=ctx.state_slots,
@@ -184,7 +186,8 @@ class CallCost:
       stack, stack_name: the stack's index and name.
       features: the features it reads; combiner: `"sum"` (sum, mean, sqrtn, unpooled:
         weighted) or `"max"`.
-      x_shape, num_bags: the call's ids `[batch, Σ max_ids]` and its bags per example.
+      x_shape, num_bags: the call's ids (`[batch, F, max_ids]` stacked, or `[batch, Σ
+        max_ids]`) and its bags per example.
       exchange: the chosen exchange; plan: its `EmbeddingPlan` (the lookup's own output
         layout: what the collection's lookup compiles to).
       forward_bytes: wire bytes per device of the lookup (`plan.forward`).
@@ -206,7 +209,7 @@ class CallCost:
     stack_name: str
     features: tuple[str, ...]
     combiner: str
-    x_shape: tuple[int, int]
+    x_shape: tuple[int, ...]
     num_bags: int
     exchange: str
     plan: EmbeddingPlan
@@ -346,10 +349,16 @@ def evaluate(
             group = [f for f in members if (f.combiner == "max") == (combiner == "max")]
             if not group:
                 continue
-            per_slot = sum(f.max_ids or 1 for f in group)
-            x_shape = (ctx.batch_size, per_slot)
-            num_bags = sum(1 if f.pooled else (f.max_ids or 1) for f in group)
-            options = _options(ctx, x_shape, stack, num_bags, combiner)
+            widths = [f.max_ids or 1 for f in group]
+            width = stacked_width(widths) if all(f.pooled for f in group) else None
+            if width is not None:  # as the lookup stacks them: [B, F, L], the dense form
+                per_slot, num_bags = len(group) * width, len(group)
+                x_shape = (ctx.batch_size, len(group), width)
+            else:
+                per_slot = sum(widths)
+                num_bags = sum(1 if f.pooled else (f.max_ids or 1) for f in group)
+                x_shape = (ctx.batch_size, per_slot)
+            options = _options(ctx, x_shape, stack, num_bags, combiner, dense=width is not None)
             ids_of: dict[str, float] = {}
             for f in group:
                 ids_of[f.table] = ids_of.get(f.table, 0.0) + ctx.mean_ids(f)
