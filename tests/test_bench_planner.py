@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxembed.bench import planner, planner_report, planner_worker
+from jaxembed.bench import planner, planner_report, planner_worker, recsys_impls
 from jaxembed.collection import FeatureConfig, TableConfig
 from jaxembed.plan.collection import parse_bytes, plan_collection
 
@@ -162,7 +162,7 @@ def test_read_rows_on_every_sharding(spec):
         host = host[:, 0]
     array = jax.device_put(host, NamedSharding(mesh, spec))
     rows = np.array([63, 0, 17, 17, 40])
-    np.testing.assert_array_equal(planner_worker.read_rows(array, rows), host[rows])
+    np.testing.assert_array_equal(recsys_impls.read_rows(array, rows), host[rows])
 
 
 def test_read_rows_finds_replicas_that_differ():
@@ -172,4 +172,4 @@ def test_read_rows_finds_replicas_that_differ():
               for d, dev in enumerate(mesh.devices.flat)]  # fmt: skip
     array = jax.make_array_from_single_device_arrays((4, 2), sharding, pieces)
     with pytest.raises(ValueError, match=r"the replicas of rows \[1, 2\]\.\.\. differ"):
-        planner_worker.read_rows(array, np.array([1, 2]))
+        recsys_impls.read_rows(array, np.array([1, 2]))

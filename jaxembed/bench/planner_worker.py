@@ -24,12 +24,10 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
 from jaxembed.bench import recsys_check as C
 from jaxembed.bench import workloads as W
 
-__all__ = ["LAYOUTS", "WorkerConfig", "plan_layouts", "read_rows", "run_worker"]
+__all__ = ["LAYOUTS", "WorkerConfig", "plan_layouts", "run_worker"]
 
 SCHEMA = "jaxembed.bench.planner.worker/1"
 LAYOUTS = ("planner", "replicated", "rows", "table", "columns")
@@ -132,39 +130,6 @@ def plan_layouts(
     return out
 
 
-def read_rows(array: Any, rows: np.ndarray) -> np.ndarray:
-    """`array[rows]` on the host from its addressable shards, split over rows, columns, both
-    or neither; every replica of an entry is read and must agree.
-
-    Raises:
-      ValueError: replicas that differ, or rows on no addressable shard.
-
-    Examples:
-      >>> import jax.numpy as jnp
-      >>> read_rows(jnp.arange(12.0).reshape(6, 2), np.array([4, 1])).tolist()
-      [[8.0, 9.0], [2.0, 3.0]]
-    """
-    rows = np.asarray(rows, np.int64)
-    out = np.zeros((rows.size, *array.shape[1:]), array.dtype)
-    seen = np.zeros(out.shape, bool)
-    for shard in array.addressable_shards:
-        index = tuple(shard.index) + (slice(None),) * (array.ndim - len(shard.index))
-        start, stop, _ = index[0].indices(array.shape[0])
-        want = np.nonzero((rows >= start) & (rows < stop))[0]
-        if not want.size:
-            continue
-        where = (want, *index[1:])
-        values = np.asarray(shard.data)[rows[want] - start]
-        if np.any(seen[where] & (out[where] != values)):
-            raise ValueError(f"the replicas of rows {rows[want][:5].tolist()}... differ "
-                             f"(device {shard.device})")  # fmt: skip
-        out[where], seen[where] = values, True
-    if not seen.all():
-        missing = np.unique(np.nonzero(~seen)[0])
-        raise ValueError(f"rows {rows[missing][:5].tolist()} are on no addressable shard")
-    return out
-
-
 def _features(w: W.Workload) -> list[Any]:
     from jaxembed.collection import FeatureConfig
 
@@ -172,66 +137,14 @@ def _features(w: W.Workload) -> list[Any]:
 
 
 def _variant(name: str, plan: Any, w: W.Workload, mesh: Any, opt: Any) -> Any:
-    """The benchmark's step (as `recsys_impls`' jaxembed one) on `plan`'s layout."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from jaxembed.bench.recsys_impls import Variant
-    from jaxembed.collection import collection_lookup, collection_update, layout_collection
+    """The benchmark's step (`recsys_impls`' jaxembed one) on `plan`'s layout."""
+    from jaxembed.bench.recsys_impls import collection_variant
+    from jaxembed.collection import layout_collection
 
     layout = layout_collection(plan.table_configs, _features(w), mesh)
-    names = [f.name for f in w.features]
-    kw = {"mesh": mesh, "exchange": plan.exchanges, "x_spec": P("data", None)}
-
-    def forward(state, inputs):
-        out = collection_lookup(layout, state[0], inputs, **kw)
-        pooled = jnp.stack([out[f] for f in names], axis=1)  # [B, F, H]
-        # A columns lookup leaves H split: to the batch layout, as a dense model reads it.
-        return jax.sharding.reshard(pooled, P("data", None, None))
-
-    def step(state, inputs, cot):
-        pooled = forward(state, inputs)
-        loss = jnp.sum(pooled * cot)
-        g = jnp.where(jnp.isfinite(pooled), cot, 0.0)  # the update reads after the lookup
-        grads = {f: g[:, i] for i, f in enumerate(names)}
-        stacks, states = collection_update(layout, opt, state[0], state[1], inputs, grads, **kw)
-        return (stacks, states), loss
-
-    def sharding(s):
-        return NamedSharding(mesh, s.spec)
-
-    with jax.set_mesh(mesh):
-        table_sds = {s.index: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sharding(s))
-                     for s in layout.stacks}  # fmt: skip
-        opt_sds = {s.index: jax.eval_shape(
-            lambda t, s=s: opt.init(t, mesh=mesh, weight_spec=s.spec), table_sds[s.index])
-            for s in layout.stacks}  # fmt: skip
-
-    def make_state(host):
-        stacks = {}
-        for s in layout.stacks:
-            array = np.zeros(s.shape, np.float32)
-            for t in s.tables:
-                p = layout.placement(t)
-                array[p.stack_ids(np.arange(p.vocab_size, dtype=np.int32), s.local_rows)] = host[t]
-            stacks[s.index] = jax.device_put(array, sharding(s))
-            del array
-        with jax.set_mesh(mesh):
-            states = {s.index: opt.init(stacks[s.index], mesh=mesh, weight_spec=s.spec)
-                      for s in layout.stacks}  # fmt: skip
-        return stacks, states
-
-    def read(state, table, rows):
-        p = layout.placement(table)
-        gid = p.stack_ids(np.asarray(rows, np.int32), layout.stacks[p.stack].local_rows)
-        acc = state[1][p.stack].slots["accumulator"]
-        return read_rows(state[0][p.stack], gid), read_rows(acc, gid)
-
     info = {"layout": str(layout), "exchange": {str(k): v for k, v in plan.exchanges.items()}}
-    return Variant(name, "rowwise_adagrad", mesh, step, forward, (table_sds, opt_sds),
-                   make_state, NamedSharding(mesh, P("data", None)), read, info)  # fmt: skip
+    return collection_variant(name, layout, mesh, opt, [f.name for f in w.features], info,
+                              exchange=plan.exchanges)  # fmt: skip
 
 
 def modelled(plan: Any, budget: int) -> dict[str, Any]:

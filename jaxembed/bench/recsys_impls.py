@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxembed.bench import workloads as W
 
-__all__ = ["VARIANTS", "Variant", "build_variant", "dense_ids", "take_rows"]
+__all__ = ["VARIANTS", "Variant", "build_variant", "collection_variant", "dense_ids", "read_rows"]
 
 VARIANTS = ("jaxembed", "jaxembed[xla]", "jaxembed[rows]", "xla", "flax")
 """The implementations this module builds (`build_variant`)."""
@@ -114,29 +114,35 @@ def dense_ids(workload: W.Workload, batch: W.Batch) -> dict[str, np.ndarray]:
     return out
 
 
-def take_rows(array: jax.Array, rows: np.ndarray) -> np.ndarray:
-    """`array[rows]` on the host, one addressable shard at a time (never the whole array).
+def read_rows(array: jax.Array, rows: np.ndarray) -> np.ndarray:
+    """`array[rows]` on the host from its addressable shards, split over rows, columns, both
+    or neither; every replica of an entry is read and must agree.
 
-    Args:
-      array: split (or not) over its first axis only.
-      rows: int indices into that axis.
+    Raises:
+      ValueError: replicas that differ, or rows on no addressable shard.
 
     Examples:
-      >>> take_rows(jnp.arange(12.0).reshape(6, 2), np.array([4, 1])).tolist()
+      >>> read_rows(jnp.arange(12.0).reshape(6, 2), np.array([4, 1])).tolist()
       [[8.0, 9.0], [2.0, 3.0]]
     """
     rows = np.asarray(rows, np.int64)
-    out = np.empty((rows.size, *array.shape[1:]), array.dtype)
-    done = np.zeros(rows.size, bool)
+    out = np.zeros((rows.size, *array.shape[1:]), array.dtype)
+    seen = np.zeros(out.shape, bool)
     for shard in array.addressable_shards:
-        first = shard.index[0] if shard.index else slice(None)
-        start, stop, _ = first.indices(array.shape[0])
-        want = (rows >= start) & (rows < stop) & ~done
-        if want.any():
-            out[want] = np.asarray(shard.data)[rows[want] - start]
-            done |= want
-    if not done.all():
-        raise ValueError(f"rows {rows[~done][:5].tolist()} are on no addressable shard")
+        index = tuple(shard.index) + (slice(None),) * (array.ndim - len(shard.index))
+        start, stop, _ = index[0].indices(array.shape[0])
+        want = np.nonzero((rows >= start) & (rows < stop))[0]
+        if not want.size:
+            continue
+        where = (want, *index[1:])
+        values = np.asarray(shard.data)[rows[want] - start]
+        if np.any(seen[where] & (out[where] != values)):
+            raise ValueError(f"the replicas of rows {rows[want][:5].tolist()}... differ "
+                             f"(device {shard.device})")  # fmt: skip
+        out[where], seen[where] = values, True
+    if not seen.all():
+        missing = np.unique(np.nonzero(~seen)[0])
+        raise ValueError(f"rows {rows[missing][:5].tolist()} are on no addressable shard")
     return out
 
 
@@ -156,25 +162,38 @@ def _loss_and_grad_input(pooled: jax.Array, cot: jax.Array) -> tuple[jax.Array, 
 def _jaxembed(workload: W.Workload, n: int, lr: float, eps: float, *, impl: str,
               exchange: str, name: str) -> Variant:  # fmt: skip
     import jaxembed
-    from jaxembed.collection import (
-        FeatureConfig,
-        TableConfig,
-        collection_lookup,
-        collection_update,
-        layout_collection,
-    )
+    from jaxembed.collection import FeatureConfig, TableConfig, layout_collection
 
     mesh = _mesh(n, AxisType.Explicit)
     tables = [TableConfig(t.name, t.rows, t.dim, placement="rows") for t in workload.tables]
     features = [FeatureConfig(f.name, f.table, max_ids=f.max_ids) for f in workload.features]
     layout = layout_collection(tables, features, mesh)
     opt = jaxembed.optim.rowwise_adagrad(lr, eps=eps)
-    names = [f.name for f in workload.features]
-    kw = {"mesh": mesh, "impl": impl, "exchange": exchange, "x_spec": P("data", None)}
+    info = {"impl": impl, "exchange": exchange, "layout": str(layout),
+            **_plan_info(layout, workload, mesh, exchange, impl)}  # fmt: skip
+    return collection_variant(name, layout, mesh, opt, [f.name for f in workload.features],
+                              info, impl=impl, exchange=exchange)  # fmt: skip
+
+
+def collection_variant(name: str, layout: Any, mesh: Any, opt: Any, names: list[str],
+                       info: dict[str, Any], **kw: Any) -> Variant:  # fmt: skip
+    """The jaxembed step on a collection layout: `collection_lookup` of every feature (as
+    `pooled [B, F, H]` in the batch layout), the loss, `collection_update` of every stack.
+
+    Args:
+      name: the variant's name; layout: a `jaxembed.collection` layout on `mesh` (1-D,
+        `("data",)`); opt: a row-sparse optimizer with an `"accumulator"` slot; names: the
+        features in the cotangent's order; info: what to record.
+      **kw: for every lookup and update (`impl`, `exchange`: one or per stack).
+    """
+    from jaxembed.collection import collection_lookup, collection_update
+
+    kw = {"mesh": mesh, "x_spec": P("data", None), **kw}
 
     def forward(state, inputs):
         out = collection_lookup(layout, state[0], inputs, **kw)
-        return jnp.stack([out[f] for f in names], axis=1)  # [B, F, H]
+        pooled = jnp.stack([out[f] for f in names], axis=1)  # [B, F, H]
+        return jax.sharding.reshard(pooled, P("data", None, None))  # the batch layout
 
     def step(state, inputs, cot):
         stacks, states = state
@@ -183,11 +202,11 @@ def _jaxembed(workload: W.Workload, n: int, lr: float, eps: float, *, impl: str,
         stacks, states = collection_update(layout, opt, stacks, states, inputs, grads, **kw)
         return (stacks, states), loss
 
-    def shardings(s):
+    def sharding(s):
         return NamedSharding(mesh, s.spec)
 
     with jax.set_mesh(mesh):
-        table_sds = {s.index: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=shardings(s))
+        table_sds = {s.index: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sharding(s))
                      for s in layout.stacks}  # fmt: skip
         opt_sds = {s.index: jax.eval_shape(
             lambda t, s=s: opt.init(t, mesh=mesh, weight_spec=s.spec), table_sds[s.index])
@@ -200,7 +219,7 @@ def _jaxembed(workload: W.Workload, n: int, lr: float, eps: float, *, impl: str,
             for t in s.tables:
                 p = layout.placement(t)
                 array[p.stack_ids(np.arange(p.vocab_size, dtype=np.int32), s.local_rows)] = host[t]
-            stacks[s.index] = jax.device_put(array, shardings(s))
+            stacks[s.index] = jax.device_put(array, sharding(s))
             del array
         with jax.set_mesh(mesh):
             states = {s.index: opt.init(stacks[s.index], mesh=mesh, weight_spec=s.spec)
@@ -211,25 +230,28 @@ def _jaxembed(workload: W.Workload, n: int, lr: float, eps: float, *, impl: str,
         p = layout.placement(table)
         gid = p.stack_ids(np.asarray(rows, np.int32), layout.stacks[p.stack].local_rows)
         acc = state[1][p.stack].slots["accumulator"]
-        return take_rows(state[0][p.stack], gid), take_rows(acc, gid)
+        return read_rows(state[0][p.stack], gid), read_rows(acc, gid)
 
-    info = {"impl": impl, "exchange": exchange, "layout": str(layout),
-            **_plan_info(layout, workload, mesh, exchange, impl)}  # fmt: skip
     return Variant(name, "rowwise_adagrad", mesh, step, forward, (table_sds, opt_sds),
                    make_state, NamedSharding(mesh, P("data", None)), read, info)  # fmt: skip
 
 
 def _plan_info(layout, workload: W.Workload, mesh, exchange: str, impl: str) -> dict[str, Any]:
-    """The exchange jaxembed's plan picks for each stack's (one) dense-form call."""
+    """The exchange jaxembed's plan picks for each stack's (one) call, in the form the
+    collection runs it (`[B, F, L]` stacked, or `[B, ΣL]` with lengths)."""
     import jaxembed
+    from jaxembed.collection.layout import stacked_width
 
     out = {}
     for s in layout.stacks:
         feats = [f for f in workload.features if layout.placement(f.table).stack == s.index]
-        width = sum(f.max_ids for f in feats)
+        width = stacked_width([f.max_ids for f in feats])
+        shape, bags = ((workload.batch_size, len(feats), width), None) if width else (
+            (workload.batch_size, sum(f.max_ids for f in feats)), len(feats))  # fmt: skip
         try:
             plans = [jaxembed.plan_embedding_bag(
-                mesh.abstract_mesh, (workload.batch_size, width), s.shape, weighted=True,
+                mesh.abstract_mesh, shape, s.shape, num_bags=bags, weighted=True,
+                lengths_spec=P() if bags else None,
                 x_spec=P("data", None), weight_spec=s.spec, exchange=exchange, impl=impl,
                 update=update, optimizer_slots=(False,) if update else (),
             ) for update in (False, True)]  # fmt: skip
@@ -303,7 +325,7 @@ def _xla(workload: W.Workload, n: int, lr: float, eps: float) -> Variant:
 
     def read(state, table, rows):
         acc = state[1][0].sum_of_squares[table]  # (ScaleByRssState, EmptyState)
-        return take_rows(state[0][table], rows), take_rows(acc, rows)
+        return read_rows(state[0][table], rows), read_rows(acc, rows)
 
     return Variant("xla", "adagrad", mesh, step, forward, state_sds, make_state, row, read,
                    {"tables": "padded to a multiple of the devices, rows split over them",
@@ -369,7 +391,7 @@ def _flax(workload: W.Workload, n: int, lr: float, eps: float) -> Variant:
     def read(state, table, rows):
         model, optimizer = nnx.merge(graphdef, state)
         acc = optimizer.opt_state[0].sum_of_squares["embeds"][table]["embedding"]
-        return take_rows(model.embeds[table].embedding[...], rows), take_rows(acc[...], rows)
+        return read_rows(model.embeds[table].embedding[...], rows), read_rows(acc[...], rows)
 
     return Variant("flax", "adagrad", mesh, step, forward, state_sds, make_state, row, read,
                    {"module": "flax.nnx.Embed per table", "optimizer":
