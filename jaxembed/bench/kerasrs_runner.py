@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import platform
 import sys
@@ -242,36 +241,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jaxembed.bench.kerasrs_runner",
                                 description=__doc__.split("\n\n")[0])  # fmt: skip
-    p.add_argument("--inputs", required=True, help="the .npz of workloads.save_inputs")
-    p.add_argument("--out", help="write the result JSON here (default: stdout)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps (and forwards)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
+    W.runner_arguments(p, steps=10, warmup=2)
     p.add_argument("--threads", type=int, default=2,
                    help="CPU cores the process may use (sched_setaffinity; XLA sizes its "
                    "thread pool to them)")  # fmt: skip
-    p.add_argument("--check-steps", type=int, default=0,
-                   help="steps from the initial tables before timing, for the check")  # fmt: skip
-    p.add_argument("--save-tables", help="write the check's final tables here (.npz)")
-    p.add_argument("--verify", action="store_true",
-                   help="compare the check's tables with a float64 dense Adagrad")  # fmt: skip
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if (args.save_tables or args.verify) and args.check_steps < 1:
-        print("kerasrs_runner: error: --save-tables and --verify need --check-steps >= 1",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    _setup(args.threads)
-    result = run(args)
-    text = json.dumps(result, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
-    return 0
+    return W.runner_main("kerasrs_runner", args, lambda: _setup(args.threads), run)
 
 
 if __name__ == "__main__":

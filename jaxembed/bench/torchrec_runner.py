@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
 import platform
 import sys
@@ -262,20 +261,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jaxembed.bench.torchrec_runner",
                                 description=__doc__.split("\n\n")[0])  # fmt: skip
-    p.add_argument("--inputs", required=True, help="the .npz of workloads.save_inputs")
-    p.add_argument("--out", help="write the result JSON here (default: stdout)")
+    W.runner_arguments(p, steps=20, warmup=3)
     p.add_argument("--impl", default="fused-ebc", choices=("fused-ebc", "tbe"))
-    p.add_argument("--steps", type=int, default=20, help="timed steps (and forwards)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--omp-wait-policy", default="passive", choices=("passive", "active", "default"),
                    help="OMP_WAIT_POLICY for torch's threads (default passive: the machine is "
                    "shared; 'default' leaves the environment as it is)")  # fmt: skip
-    p.add_argument("--check-steps", type=int, default=0,
-                   help="steps from the initial tables before timing, for the check")  # fmt: skip
-    p.add_argument("--save-tables", help="write the check's final tables here (.npz)")
-    p.add_argument("--verify", action="store_true",
-                   help="compare the check's tables with the float64 reference")  # fmt: skip
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="profile N more steps with torch.profiler")  # fmt: skip
     return p
@@ -283,19 +274,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if (args.save_tables or args.verify) and args.check_steps < 1:
-        print("torchrec_runner: error: --save-tables and --verify need --check-steps >= 1",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    _require_framework(args.omp_wait_policy)
-    result = run(args)
-    text = json.dumps(result, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
-    return 0
+    return W.runner_main("torchrec_runner", args,
+                         lambda: _require_framework(args.omp_wait_policy), run)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -461,3 +461,43 @@ def summarize_times(wall_s: Sequence[float], cpu_s: Sequence[float] | None, pref
     if cpu_s is not None:
         out[f"{prefix}_cpu_median_in_ms"] = round(float(np.median(cpu_s)) * 1e3, 4)
     return out
+
+
+# --- the runners' command line (`torchrec_runner`, `kerasrs_runner`) ----------------------------
+
+
+def runner_arguments(parser, *, steps: int, warmup: int) -> None:
+    """The arguments every framework runner takes (each adds its own `--threads`)."""
+    parser.add_argument("--inputs", required=True, help="the .npz of workloads.save_inputs")
+    parser.add_argument("--out", help="write the result JSON here (default: stdout)")
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps (and forwards)")
+    parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps first")
+    parser.add_argument(
+        "--check-steps",
+        type=int,
+        default=0,
+        help="steps from the initial tables before timing, for the check",
+    )
+    parser.add_argument("--save-tables", help="write the check's final tables here (.npz)")
+    parser.add_argument("--verify", action="store_true",
+                        help="compare the check's tables with the float64 reference")  # fmt: skip
+
+
+def runner_main(prog: str, args, setup, run) -> int:
+    """Checks `args`, calls `setup()` then `run(args)`, and writes its record as JSON
+    (`--out`, else stdout). Returns the exit status."""
+    import json
+    import sys
+
+    if (args.save_tables or args.verify) and args.check_steps < 1:
+        print(f"{prog}: error: --save-tables and --verify need --check-steps >= 1",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    setup()
+    text = json.dumps(run(args), indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+    return 0
