@@ -117,10 +117,11 @@ import optax
 import orbax.checkpoint as ocp
 from dlrm_data import NUM_DENSE, Batch, ClickModel, auc, log_loss
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxembed
+import jaxembed.launch
 import jaxembed.nnx
 
 PLAN_SAMPLE_STEPS = 4
@@ -130,26 +131,12 @@ PLAN_SAMPLE_STEPS = 4
 
 
 def make_mesh(spec: str) -> jax.sharding.Mesh:
-    """The mesh from `"data=2,model=4"` (Explicit axes), devices ordered by process."""
+    """The mesh from `"data=2,model=4"` (Explicit axes), devices ordered by process
+    (`jaxembed.launch.process_mesh`)."""
     try:
-        axes = [(name, int(size)) for name, size in (a.split("=") for a in spec.split(","))]
-    except ValueError:
-        raise SystemExit(f"--mesh {spec!r}: expected axes like data=2,model=4") from None
-    unknown = {name for name, _ in axes} - {"data", "model"}
-    if unknown:
-        raise SystemExit(f"--mesh {spec!r}: axes must be 'data' and/or 'model', got {unknown}")
-    size = int(np.prod([s for _, s in axes]))
-    if size > len(jax.devices()):
-        raise SystemExit(
-            f"--mesh {spec!r} needs {size} devices but jax has {len(jax.devices())}: run the "
-            "script directly (it sets --devices) or set XLA_FLAGS="
-            f"--xla_force_host_platform_device_count={size} before jax is imported"
-        )
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))[:size]
-    return jax.sharding.Mesh(
-        np.array(devices).reshape([s for _, s in axes]), tuple(n for n, _ in axes),
-        axis_types=(AxisType.Explicit,) * len(axes),
-    )  # fmt: skip
+        return jaxembed.launch.process_mesh(spec, axes=("data", "model"))
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
 
 
 def batch_spec(mesh: jax.sharding.Mesh) -> P:

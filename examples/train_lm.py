@@ -114,9 +114,10 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jaxembed.launch
 import jaxembed.nnx
 
 # --- mesh and layouts -----------------------------------------------------------------------
@@ -126,29 +127,14 @@ def make_mesh(spec: str) -> jax.sharding.Mesh:
     """The training mesh from `"data=2,model=4"` (Explicit axes), over `jax.devices()`.
 
     The one place that decides which devices train; a multi-process run changes only this
-    (and how `shard_batch` places the batch).
+    (and how `shard_batch` places the batch). Devices are taken in process order: the major
+    axis (`data`) spans processes, and the minor one (`model`, which carries the forward's
+    psum every step) stays inside a process (`jaxembed.launch.process_mesh`).
     """
     try:
-        axes = [(name, int(size)) for name, size in (a.split("=") for a in spec.split(","))]
-    except ValueError:
-        raise SystemExit(f"--mesh {spec!r}: expected axes like data=2,model=4") from None
-    unknown = {name for name, _ in axes} - {"data", "model"}
-    if unknown:
-        raise SystemExit(f"--mesh {spec!r}: axes must be 'data' and/or 'model', got {unknown}")
-    size = int(np.prod([s for _, s in axes]))
-    if size > len(jax.devices()):
-        raise SystemExit(
-            f"--mesh {spec!r} needs {size} devices but jax has {len(jax.devices())}: run the "
-            "script directly (it sets --devices) or set XLA_FLAGS="
-            f"--xla_force_host_platform_device_count={size} before jax is imported"
-        )
-    # Devices ordered by process: the major axis (`data`) spans processes, and the minor one
-    # (`model`, which carries the forward's psum every step) stays inside a process.
-    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))[:size]
-    return jax.sharding.Mesh(
-        np.array(devices).reshape([s for _, s in axes]), tuple(n for n, _ in axes),
-        axis_types=(AxisType.Explicit,) * len(axes),
-    )  # fmt: skip
+        return jaxembed.launch.process_mesh(spec, axes=("data", "model"))
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
 
 
 def logical_rules(mesh: jax.sharding.Mesh) -> list[tuple[str, str | None]]:

@@ -28,7 +28,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-__all__ = ["LaunchError", "free_port", "initialize", "launch", "main"]
+__all__ = ["LaunchError", "free_port", "initialize", "launch", "main", "process_mesh"]
 
 ENV_COORDINATOR = "JAXEMBED_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXEMBED_NUM_PROCESSES"
@@ -52,6 +52,53 @@ class LaunchError(RuntimeError):
       jaxembed.launch.LaunchError: no command to run: pass a script after --, e.g. -- train.py
       --steps 10
     """
+
+
+def process_mesh(spec: str, *, axes: Sequence[str] | None = None):
+    """A mesh from `"data=2,model=4"` (Explicit axes, major first) over the first devices in
+    process order, so that the major axis spans processes and the minor ones stay inside one
+    (put the axis that carries the every-step collectives last).
+
+    Args:
+      spec: `name=size` pairs separated by commas.
+      axes: the axis names allowed, or None for any.
+
+    Raises:
+      ValueError: a malformed spec, an axis not in `axes`, or more devices than jax has; the
+        message names the spec and the fix.
+
+    Examples:
+      >>> dict(process_mesh("data=2,model=4").shape)
+      {'data': 2, 'model': 4}
+      >>> process_mesh("seq=8", axes=("data", "model"))
+      Traceback (most recent call last):
+        ...
+      ValueError: --mesh 'seq=8': axes must be 'data' and/or 'model', got ['seq']
+    """
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType
+
+    try:
+        pairs = [(name, int(size)) for name, size in (a.split("=") for a in spec.split(","))]
+    except ValueError:
+        raise ValueError(f"--mesh {spec!r}: expected axes like data=2,model=4") from None
+    unknown = sorted({name for name, _ in pairs} - set(axes)) if axes is not None else []
+    if unknown:
+        allowed = " and/or ".join(repr(a) for a in axes)
+        raise ValueError(f"--mesh {spec!r}: axes must be {allowed}, got {unknown}")
+    size = int(np.prod([s for _, s in pairs]))
+    if size > len(jax.devices()):
+        raise ValueError(
+            f"--mesh {spec!r} needs {size} devices but jax has {len(jax.devices())}: run the "
+            "script directly (it sets --devices) or set XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={size} before jax is imported"
+        )
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))[:size]
+    return jax.sharding.Mesh(
+        np.array(devices).reshape([s for _, s in pairs]), tuple(n for n, _ in pairs),
+        axis_types=(AxisType.Explicit,) * len(pairs),
+    )  # fmt: skip
 
 
 def free_port() -> int:
