@@ -336,6 +336,32 @@ def common_changes(args: argparse.Namespace, config: Any) -> dict[str, Any]:
     return changes
 
 
+def all_agree(points: Sequence[dict[str, Any]]) -> bool | None:
+    """Whether every implementation that ran in `points` agreed with the float64 reference
+    (None when none ran)."""
+    agree = [r.get("agrees_with_reference") for p in points
+             for r in p["implementations"].values() if r.get("status") == "ok"]  # fmt: skip
+    return all(agree) if agree else None
+
+
+def run_and_finish(
+    prog: str,
+    run: Callable[..., dict[str, Any]],
+    config: Any,
+    args: argparse.Namespace,
+    tables: Callable[[dict[str, Any]], list[Any]],
+    plot: Callable[[dict[str, Any], str], list[str]],
+) -> int:
+    """A bench command's end: `run(config, say=...)`, a bad config's ValueError as `prog:
+    error: ...` (exit 2), else `finish` with the record's tables and plots."""
+    try:
+        record = run(config, say=progress(not args.no_progress, prog.removeprefix("jaxembed ")))
+    except ValueError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    return finish(record, args, tables(record), plot)
+
+
 def finish(
     record: dict[str, Any],
     args: argparse.Namespace,

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from typing import Any
 
 import jax
@@ -375,9 +374,7 @@ def targets(record: dict[str, Any]) -> dict[str, Any]:
             "value": t, "threshold": 1.0, "met": t is not None and t < 1.0,
             "where": "jaxembed / xla, median step",
         }  # fmt: skip
-    agree = [r.get("agrees_with_reference") for p in record["layouts"]
-             for r in p["implementations"].values() if r.get("status") == "ok"]  # fmt: skip
-    out["all_agree_with_reference"] = all(agree) if agree else None
+    out["all_agree_with_reference"] = r2.all_agree(record["layouts"])
     return out
 
 
@@ -394,11 +391,7 @@ def main(argv: list[str]) -> int:
     if args.layouts:
         changes["layouts"] = tuple(dict.fromkeys(args.layouts))
     config = dataclasses.replace(config, **changes)
-    try:
-        record = run_bags(config, say=r2.progress(not args.no_progress, "bench bags"))
-    except ValueError as err:
-        print(f"jaxembed bench bags: error: {err}", file=sys.stderr)
-        return 2
     from jaxembed.bench import _plots, _report
 
-    return r2.finish(record, args, _report.bags_tables(record), _plots.plot_bags)
+    return r2.run_and_finish("jaxembed bench bags", run_bags, config, args,
+                             _report.bags_tables, _plots.plot_bags)  # fmt: skip

@@ -210,11 +210,7 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
     from jaxembed.plan.collection import parse_bytes
     from jaxembed.plan.cost import calibration_path, load_constants
 
-    if jax.device_count() < config.devices:
-        raise RuntimeError(
-            f"this process has {jax.device_count()} devices, the config wants {config.devices}: "
-            f"start it with XLA_FLAGS=--xla_force_host_platform_device_count={config.devices}"
-        )
+    RW.require_devices(config.devices)
     w = W.dlrm_workload(config.batch_size, scale=config.scale, dim=config.dim)
     budget = parse_bytes(config.memory_per_device)
     mesh = jax.make_mesh((config.devices,), ("data",), axis_types=(AxisType.Explicit,))

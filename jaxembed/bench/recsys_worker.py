@@ -83,6 +83,17 @@ def _available_bytes() -> int:
     return 8 * 2**30
 
 
+def require_devices(n: int) -> None:
+    """Raises RuntimeError, naming the fix, when this process has fewer than `n` devices."""
+    import jax
+
+    if jax.device_count() < n:
+        raise RuntimeError(
+            f"this process has {jax.device_count()} devices, the config wants {n}: "
+            f"start it with XLA_FLAGS=--xla_force_host_platform_device_count={n}"
+        )
+
+
 def _error(stage: str, err: BaseException) -> dict[str, Any]:
     text = " ".join(f"{type(err).__name__}: {err}".split())
     return {"status": "error", "stage": stage, "error": text[:_ERROR_CHARS]}
@@ -213,11 +224,7 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
     from jaxembed.bench.recsys import make_workload
     from jaxembed.kernels import native
 
-    if jax.device_count() < config.devices:
-        raise RuntimeError(
-            f"this process has {jax.device_count()} devices, the config wants {config.devices}: "
-            f"start it with XLA_FLAGS=--xla_force_host_platform_device_count={config.devices}"
-        )
+    require_devices(config.devices)
     w = make_workload(config.workload, batch_size=config.batch_size,
                       largest_rows=config.largest_rows, quick=config.quick)  # fmt: skip
     host = W.make_tables(w, config.seed)

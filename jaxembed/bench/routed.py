@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from typing import Any
 
 import jax
@@ -387,9 +386,7 @@ def targets(record: dict[str, Any]) -> dict[str, Any]:
             "where": "median step times, block and mod rows",
         }  # fmt: skip
     out.update(batch_targets(record["batch_sweep"]))
-    agree = [r.get("agrees_with_reference") for p in (*pts, *record["batch_sweep"])
-             for r in p["implementations"].values() if r.get("status") == "ok"]  # fmt: skip
-    out["all_agree_with_reference"] = all(agree) if agree else None
+    out["all_agree_with_reference"] = r2.all_agree((*pts, *record["batch_sweep"]))
     return out
 
 
@@ -414,11 +411,7 @@ def main(argv: list[str]) -> int:
     if args.batch_sweep is not None:
         changes["batch_sweep"] = tuple(args.batch_sweep)
     config = dataclasses.replace(config, **changes)
-    try:
-        record = run_routed(config, say=r2.progress(not args.no_progress, "bench routed"))
-    except ValueError as err:
-        print(f"jaxembed bench routed: error: {err}", file=sys.stderr)
-        return 2
     from jaxembed.bench import _plots, _report
 
-    return r2.finish(record, args, _report.routed_tables(record), _plots.plot_routed)
+    return r2.run_and_finish("jaxembed bench routed", run_routed, config, args,
+                             _report.routed_tables, _plots.plot_routed)  # fmt: skip

@@ -21,7 +21,6 @@ numbers), and (2) the five main layouts of `jaxembed bench` at one vocabulary wi
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any
 
 import jax
@@ -327,9 +326,7 @@ def targets(record: dict[str, Any]) -> dict[str, Any]:
     geo = r2.geomean(list(per_layout.values()))
     out["sparse_vs_xla_geomean"] = {"per_layout": per_layout, "geomean": geo, "threshold": 0.4,
                                     "met": geo is not None and geo <= 0.4}  # fmt: skip
-    agree = [r.get("agrees_with_reference") for p in (*record["vocab_sweep"], *record["layouts"])
-             for r in p["implementations"].values() if r.get("status") == "ok"]  # fmt: skip
-    out["all_agree_with_reference"] = all(agree) if agree else None
+    out["all_agree_with_reference"] = r2.all_agree((*record["vocab_sweep"], *record["layouts"]))
     return out
 
 
@@ -348,11 +345,7 @@ def main(argv: list[str]) -> int:
     if args.optimizers:
         changes["optimizers"] = tuple(args.optimizers)
     config = dataclasses.replace(config, **changes)
-    try:
-        record = run_sparse(config, say=r2.progress(not args.no_progress, "bench sparse"))
-    except ValueError as err:
-        print(f"jaxembed bench sparse: error: {err}", file=sys.stderr)
-        return 2
     from jaxembed.bench import _plots, _report
 
-    return r2.finish(record, args, _report.sparse_tables(record), _plots.plot_sparse)
+    return r2.run_and_finish("jaxembed bench sparse", run_sparse, config, args,
+                             _report.sparse_tables, _plots.plot_sparse)  # fmt: skip
