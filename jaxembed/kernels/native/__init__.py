@@ -202,15 +202,8 @@ def pool_max(
     segments: jax.Array,
     num_segments: int,
 ) -> tuple[jax.Array, jax.Array]:
-    """Element-wise maximum of each bag's rows on this shard, and the slot that gave it.
-
-    Args:
-      table, local, valid, segments, num_segments: as `pool_sum`.
-
-    Returns:
-      `(maxima, winners)`: f32[num_segments, H] with `-inf` for a bag with no row here,
-      and int32[num_segments, H], the earliest slot reaching the maximum (M where none).
-    """
+    """`jaxembed.kernels.local.pool_max` (same arguments and results): each bag's
+    element-wise maximum on this shard and the earliest slot that gave it, one thread a bag."""
     threads = _require("pool_max")
     _table("pool_max", "table", table)
     args = _slots("pool_max", local, valid, ("segments", segments))
@@ -300,20 +293,8 @@ def _bag_grads(segments, scale, out_grad) -> jax.Array:
 
 
 def dedup_rows(local: jax.Array, valid: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
-    """The distinct local rows of the valid slots, and each slot's index among them.
-
-    A stable radix sort of the slots by row (no comparison sort); bitwise the XLA twin's result.
-
-    Args:
-      local: int32[M] local row of each slot.
-      valid: bool[M] whether the slot reads a row of this shard.
-      num_rows: the shard's rows (invalid slots share the out-of-range row `num_rows`).
-
-    Returns:
-      `(unique, which)`: int32[M] sorted distinct row indices, padded with distinct
-      out-of-range indices (`num_rows + position`), so that a scatter there drops; and
-      int32[M], the position in `unique` of each slot's row.
-    """
+    """`jaxembed.kernels.sparse.dedup_rows` (same arguments, same results, bitwise) by a
+    stable radix sort of the slots by row instead of a comparison sort."""
     threads = _require("dedup_rows")
     flat_local, flat_valid = _slots("dedup_rows", local, valid)
     m = flat_local.shape[0]
