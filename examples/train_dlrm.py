@@ -27,7 +27,9 @@ few batches (and prints its plan). The default run (1500 steps of 512 examples) 
 
 Checkpoints (orbax) hold the dense parameters, Adam's state, and each table and its
 row-wise Adagrad accumulator in id order (as `coll.tables()`), so `--resume` restores onto
-another mesh or placement. The batch of step s is a function of `(--seed, s)` only.
+another mesh or placement; a checkpoint of another `--dim`, `--scale` or `--features` is refused
+with its shapes beside the requested ones. The batch of step s is a function of `(--seed, s)`
+only.
 With `--processes N` the script starts itself N times under `jaxembed.launch`, as
 `examples/train_lm.py` does (see docs/multihost.md).
 """
@@ -347,9 +349,12 @@ def checkpoint_state(model, optimizer, coll, row_states) -> dict:
 
 
 def checkpoint_manager(directory: str) -> ocp.CheckpointManager:
-    """Synchronous saves: checkpoint s is complete on disk before step s + 1 runs."""
+    """Synchronous saves: checkpoint s is complete on disk before step s + 1 runs. The
+    handler is named so that a checkpoint's metadata (its arrays' shapes) reads back."""
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
-    return ocp.CheckpointManager(os.path.abspath(directory), options=options)
+    return ocp.CheckpointManager(
+        os.path.abspath(directory), options=options, item_handlers=ocp.StandardCheckpointHandler()
+    )
 
 
 def save(manager, step: int, model, optimizer, coll, row_states) -> None:
@@ -357,10 +362,71 @@ def save(manager, step: int, model, optimizer, coll, row_states) -> None:
     manager.save(step, args=ocp.args.StandardSave(state), force=True)
 
 
-def restore(manager, step: int, model, optimizer, coll, row_states) -> dict:
+def _shapes(tree: dict) -> dict[str, tuple[int, ...]]:
+    """`{"tables/C1": (rows, dim), ...}`: every array's shape, by its path in the tree."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {
+        jax.tree_util.keystr(path, simple=True, separator="/"): tuple(getattr(a, "shape", ()))
+        for path, a in leaves
+    }
+
+
+def check_resume(manager, step: int, target: dict, args: argparse.Namespace) -> None:
+    """The checkpoint must hold the arrays this run builds, of the same shapes: a run with
+    another `--dim`, `--scale` or `--features` than the one that wrote it stops here with the
+    checkpoint's tables beside the requested ones (not with orbax's shape error). The mesh
+    and `--placement` may change: the checkpoint is layout-free."""
+    metadata = manager.item_metadata(step)
+    saved = _shapes(metadata.tree if metadata is not None else {})
+    want = _shapes(target)
+    tables = {k[len("tables/") :]: v for k, v in saved.items() if k.startswith("tables/")}
+    asked = {k[len("tables/") :]: v for k, v in want.items() if k.startswith("tables/")}
+    if tables == asked and all(saved[k] == want[k] for k in saved.keys() & want.keys()):
+        return
+    problems, redo = [], []
+    if sorted(tables) != sorted(asked):
+        problems.append(
+            f"it holds {len(tables)} tables {_names(tables)}, this run {len(asked)} "
+            f"{_names(asked)} (--features {args.features})"
+        )
+        redo.append(f"--features that reads {len(tables)} tables")
+    dims = sorted({s[1] for s in tables.values() if len(s) == 2})
+    if dims and dims != [args.dim]:
+        problems.append(f"its tables have dim {', '.join(map(str, dims))}, this run asks for "
+                        f"--dim {args.dim}")  # fmt: skip
+        redo.append(f"--dim {dims[0]}" if len(dims) == 1 else "its --dim")
+    rows = [(t, tables[t][0], asked[t][0]) for t in sorted(tables.keys() & asked.keys())
+            if tables[t][:1] != asked[t][:1]]  # fmt: skip
+    if rows:
+        shown = ", ".join(f"{t} {a} vs {b}" for t, a, b in rows[:3]) + ", ..." * (len(rows) > 3)
+        problems.append(f"its tables have other sizes (rows in the checkpoint vs this run: "
+                        f"{shown}; --scale {args.scale:g})")  # fmt: skip
+        redo.append("its --scale")
+    if not problems:  # the tables fit: the dense model's shapes follow --dim and --features
+        diff = sorted((k for k in saved.keys() & want.keys() if saved[k] != want[k]),
+                      key=lambda k: (not k.startswith("dense/"), k))  # fmt: skip
+        shown = ", ".join(f"{k} {list(saved[k])} vs {list(want[k])}" for k in diff[:2])
+        problems.append(f"its dense model has other shapes (checkpoint vs this run: {shown}; "
+                        f"this run has --features {args.features})")  # fmt: skip
+        redo.append("its --features")
+    raise SystemExit(
+        f"--resume: the checkpoint of step {step} in {args.checkpoint_dir} was written by a run "
+        f"of other shapes: {'; '.join(problems)}. Resume with the flags that wrote it "
+        f"({', '.join(redo)}; the mesh and --placement may change), or start a new "
+        "--checkpoint-dir"
+    )
+
+
+def _names(tables) -> str:
+    names = sorted(tables, key=lambda n: (len(n), n))
+    return "[" + ", ".join(names[:4]) + (", ..." if len(names) > 4 else "") + "]"
+
+
+def restore(manager, step: int, model, optimizer, coll, row_states, args) -> dict:
     """Restores `step` into the freshly built objects (any mesh, any placement); returns the
     row states in `coll`'s layout. Dense arrays are read straight into their layouts, the
-    id-ordered ones to the host."""
+    id-ordered ones to the host. A checkpoint of other shapes (another `--dim`, `--scale` or
+    `--features`) is refused first (`check_resume`)."""
     target = {
         "dense": nnx.to_pure_dict(nnx.state(model, nnx.Param)),
         "adam": nnx.to_pure_dict(nnx.state(optimizer)),
@@ -376,6 +442,7 @@ def restore(manager, step: int, model, optimizer, coll, row_states) -> dict:
             target["row_states"].setdefault(slot, {})[name] = np.zeros(
                 (p.vocab_size, *a.shape[1:]), a.dtype
             )
+    check_resume(manager, step, target, args)
     restored = manager.restore(step, args=ocp.args.StandardRestore(target))
     for obj, key in ((model, "dense"), (optimizer, "adam")):
         state = nnx.state(obj, nnx.Param) if key == "dense" else nnx.state(obj)
@@ -410,7 +477,7 @@ def main(argv: list[str] | None = None) -> dict:
             start = manager.latest_step()
             if start is None:
                 raise SystemExit(f"--resume: no checkpoint in {args.checkpoint_dir}")
-            row_states = restore(manager, start, model, optimizer, coll, row_states)
+            row_states = restore(manager, start, model, optimizer, coll, row_states, args)
         graphdef, state = nnx.split((model, optimizer, coll))
         train_step, eval_logits = make_steps(graphdef, row_opt)
         end = min(args.steps, args.stop_after or args.steps)

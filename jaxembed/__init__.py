@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "check_ids": "jaxembed.kernels.lookup",
+    "check_ids_fit": "jaxembed.ids",
     "embedding": "jaxembed.kernels.lookup",
     "embedding_bag": "jaxembed.kernels.bag",
     "plan_embedding_bag": "jaxembed.plan",
@@ -48,6 +49,7 @@ __all__ = [
     "TableConfig",
     "__version__",
     "check_ids",
+    "check_ids_fit",
     "embedding",
     "embedding_bag",
     "from_mod_order",

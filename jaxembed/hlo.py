@@ -28,12 +28,16 @@ from jaxembed.plan.cost import ring_wire_bytes
 __all__ = [
     "KINDS",
     "Collective",
+    "TableCopy",
+    "TableCopyWarning",
+    "check_in_place",
     "collectives",
     "compiled_hlo",
     "largest_collective",
     "mesh_axes",
     "ring_wire_bytes",
     "summarize",
+    "table_copies",
     "total_wire_bytes",
 ]
 
@@ -541,3 +545,205 @@ def _operand_bytes(operands: str, shapes: dict[str, str], line: str) -> int | No
 
 def _number(value: float) -> str:
     return f"{int(value):,}" if float(value).is_integer() else f"{value:,.2f}"
+
+
+# --- Table-sized copies: a donated table that a compiled step does not update in place ------
+
+_HLO_DTYPES = {"bool": "pred", "float16": "f16", "bfloat16": "bf16", "float32": "f32",
+               "float64": "f64", "complex64": "c64", "complex128": "c128"}  # fmt: skip
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[^\s(]+)\s*\(.*\{\s*$")
+_CALLS = re.compile(r"\bcalls=%?(?P<name>[\w.\-]+)")
+_OP_NAME = re.compile(r'\bop_name="(?P<name>[^"]*)"')
+_PASS_THROUGH = ("copy", "copy-start", "copy-done", "bitcast", "get-tuple-element")
+
+
+class TableCopyWarning(UserWarning):
+    """A compiled step copies a donated table: it is not updated in place (`check_in_place`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TableCopy:
+    """The copies, in one compiled program, of buffers of one donated array's size.
+
+    Attributes:
+        names: the donated arrays of that dtype and per-device shape (their keys, or paths
+            in the pytree given); a copy of one cannot be told from a copy of another.
+        dtype: their HLO element type, e.g. 'f32'.
+        shape: their global shape (the first one's).
+        shard_shape: the shape of the buffer one device holds (what the HLO copies).
+        copies: the names of the copy instructions.
+        sources: the step's arguments the copies start from, as the HLO names them (the
+            parameter's `op_name`, e.g. 'table'), where a chain of copies leads to one.
+    """
+
+    names: tuple[str, ...]
+    dtype: str
+    shape: tuple[int, ...]
+    shard_shape: tuple[int, ...]
+    copies: tuple[str, ...]
+    sources: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        spelled = [f"{self.dtype}[{','.join(map(str, d))}]" for d in (self.shape, self.shard_shape)]
+        where = "" if self.shard_shape == self.shape else f", {spelled[1]} a device"
+        source = f" from argument {', '.join(map(repr, self.sources))}" if self.sources else ""
+        names = " or ".join(map(repr, self.names))
+        return f"{names} ({spelled[0]}{where}) copied {len(self.copies)}x{source}"
+
+
+def table_copies(hlo_text: Any, tables: Any) -> list[TableCopy]:
+    """The copies of a buffer of a donated table's (per-device) shape and dtype in a program.
+
+    A donated table updated in place has no copy in its step. A copy of its shape means XLA
+    could not order every read of the old table before the update's write (or kept a second
+    table for another reason): the step moves the whole table, whatever the batch touched.
+    Read are `copy` and `copy-start` instructions and fusions whose root is a copy, in every
+    computation but the fused ones.
+
+    Args:
+        hlo_text: the compiled program (`jit(f).lower(...).compile()`) or its `as_text()`.
+        tables: the donated arrays, by name: a mapping, or any pytree (an optimizer state;
+            names are the leaves' paths). Arrays, or `jax.ShapeDtypeStruct`s with shardings;
+            scalars are skipped.
+
+    Returns:
+        One `TableCopy` per dtype and shape of the arrays given that has a copy, in order.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> hlo = "%copy.1 = f32[64,8]{1,0} copy(f32[64,8]{1,0} %table)"
+        >>> (c,) = table_copies(hlo, {"item": jax.ShapeDtypeStruct((64, 8), jnp.float32)})
+        >>> c.copies, str(c)
+        (('copy.1',), "'item' (f32[64,8]) copied 1x")
+    """
+    text = hlo_text if isinstance(hlo_text, str) else hlo_text.as_text()
+    groups: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
+    for key, dtype, shape, shard in _donated(tables):
+        groups.setdefault((dtype, shard), [[], shape])[0].append(key)
+    copies = _copies(text)
+    result = []
+    for (dtype, shard), (names, shape) in groups.items():
+        spelled = f"{dtype}[{','.join(map(str, shard))}]"
+        mine = [c for c in copies if c[1] == spelled]
+        if mine:
+            sources = tuple(dict.fromkeys(c[2] for c in mine if c[2] is not None))
+            result.append(TableCopy(tuple(names), dtype, shape, shard,
+                                    tuple(c[0] for c in mine), sources))  # fmt: skip
+    return result
+
+
+def check_in_place(compiled: Any, tables: Any) -> list[TableCopy]:
+    """Warns once, naming each table a compiled step copies, with the fix; returns them.
+
+    Call it on a step compiled with the tables donated, e.g. on
+    `jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile()`: one `TableCopyWarning`
+    names every copied table (none when nothing is copied), so that a step that moves whole
+    tables does not go unnoticed.
+
+    Args:
+        compiled: the compiled step, or its HLO text.
+        tables: the donated arrays by name (see `table_copies`).
+
+    Returns:
+        `table_copies(compiled, tables)`.
+
+    Examples:
+        >>> import jax, jax.numpy as jnp
+        >>> step = jax.jit(lambda t: t.at[0].add(1.0), donate_argnums=0)
+        >>> table = jnp.zeros((64, 8))
+        >>> check_in_place(step.lower(table).compile(), {"item": table})
+        []
+    """
+    found = table_copies(compiled, tables)
+    if found:
+        import warnings
+
+        warnings.warn(
+            f"the compiled step copies {len(found)} kind(s) of donated table: "
+            f"{'; '.join(map(str, found))}. Each step then moves the whole table, not the rows "
+            "the batch touched. Usually nothing orders the step's reads of the old table (the "
+            "lookup) before the row-sparse update's write, because the update's gradient does "
+            "not depend on the forward (a linear loss, a fixed cotangent). Fix: pass what "
+            "read the table, opt.update(table, state, ids, out_grad, after=emb), or "
+            "out_grads = jaxembed.optim.sparse.after(out_grads, emb) before "
+            "coll.apply_gradients; jaxembed.nnx.value_and_grad and "
+            "jaxembed.flax.value_and_grad do it for you. An update inside a lax.cond (the "
+            "routed exchange's exact fallback) is copied by XLA whatever the order: "
+            "exchange='rows' avoids it",
+            TableCopyWarning,
+            stacklevel=2,
+        )
+    return found
+
+
+def _copies(text: str) -> list[tuple[str, str, str | None]]:
+    """`(name, result array, source argument)` of each copy outside fused computations."""
+    fused = {m.group("name") for m in _CALLS.finditer(text)}
+    roots: dict[str | None, str] = {}
+    lines: dict[str, tuple[str, str, str | None, list[str], str]] = {}
+    computation = None
+    for line in text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            computation = header.group("name")
+            continue
+        instruction = _INSTRUCTION.fullmatch(line)
+        if instruction is None:
+            continue
+        name, rest = instruction.group("name", "rest")
+        shape_text = _balanced(rest) if rest.startswith("(") else rest.split()[0]
+        opcode = _OPCODE.match(rest, len(shape_text))
+        if opcode is None:
+            continue
+        if line.lstrip().startswith("ROOT"):
+            roots[computation] = opcode.group("opcode")
+        if computation in fused:
+            continue
+        operands = re.findall(r"%([\w.\-]+)", _balanced(rest[opcode.end() - 1 :]))
+        called = _CALLS.search(rest)
+        lines[name] = (opcode.group("opcode"), _elements(shape_text)[0].split("{")[0],
+                       called.group("name") if called else None, operands, rest)  # fmt: skip
+    found = []
+    for name, (op, array, called, _, _) in lines.items():
+        if op in ("copy", "copy-start") or (op == "fusion" and roots.get(called) == "copy"):
+            found.append((name, array, _source(name, lines)))
+    return found
+
+
+def _source(name: str, lines: dict[str, Any]) -> str | None:
+    """The `op_name` of the parameter a chain of copies (and bitcasts) starts from."""
+    for _ in range(64):
+        op, _, _, operands, rest = lines[name]
+        if op == "parameter":
+            found = _OP_NAME.search(rest)  # printed escaped: state[\'mu\']
+            return re.sub(r"\\(.)", r"\1", found.group("name")) if found else None
+        if not operands or operands[0] not in lines:
+            return None
+        if op not in _PASS_THROUGH:
+            return None
+        name = operands[0]
+    return None
+
+
+def _donated(tables: Any) -> list[tuple[str, str, tuple[int, ...], tuple[int, ...]]]:
+    """`(name, hlo dtype, shape, per-device shape)` of each non-scalar array of `tables`."""
+    from collections.abc import Mapping
+
+    import jax  # lazily: parsing HLO text needs no jax
+
+    named = tables.items() if isinstance(tables, Mapping) else [("", tables)]
+    out = []
+    for name, tree in named:
+        for path, a in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if getattr(a, "shape", ()):
+                out.append(_donated_array(f"{name}{jax.tree_util.keystr(path)}" or "table", a))
+    return out
+
+
+def _donated_array(key: str, a: Any) -> tuple[str, str, tuple[int, ...], tuple[int, ...]]:
+    dtype = np.dtype(a.dtype).name
+    dtype = _HLO_DTYPES.get(dtype, dtype.replace("uint", "u").replace("int", "s"))
+    sharding = getattr(a, "sharding", None)
+    shape = tuple(a.shape)
+    shard = tuple(sharding.shard_shape(shape)) if sharding is not None else shape
+    return key, dtype, shape, shard

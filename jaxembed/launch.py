@@ -6,9 +6,11 @@ starts `--processes` copies of `python SCRIPT ARGS` with a coordinator on 127.0.
 free port. Each copy calls `jaxembed.launch.initialize()` first, which gives it
 `--devices-per-process` CPU devices and runs `jax.distributed.initialize` (CPU collectives
 over gloo), so `jax.devices()` then lists every process's devices. The launcher prefixes
-each line a process prints with `[pN]`, returns the worst exit code, and when one process
-fails gives the others `--grace` seconds to notice through the runtime's heartbeat (and exit
-with its message) before it kills them.
+each line a process prints with `[pN]`. When one process fails while others still run, it
+says so at once and again at the end (the errors the others print next, such as gloo's
+"collective mismatch" or a heartbeat timeout, follow from that death), gives them `--grace`
+seconds to notice through the runtime's heartbeat (and exit with its message), kills those
+still running, and returns the first failed process's exit code.
 
 On a real cluster the same script runs unchanged: without the launcher's environment,
 `initialize()` calls `jax.distributed.initialize()` with no arguments, which detects SLURM,
@@ -243,6 +245,24 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
+def _names(pids: Sequence[int]) -> str:
+    return ("process " if len(pids) == 1 else "processes ") + ", ".join(map(str, pids))
+
+
+def _death(pid: int, code: int, running: Sequence[int], grace_seconds: float) -> str:
+    """What the launcher says when process `pid` fails while `running` still run."""
+    message = f"process {pid} {_describe(code)}"
+    if not running:
+        return message
+    return (
+        f"{message} while {_names(running)} still {'runs' if len(running) == 1 else 'run'}: "
+        f"process {pid} failed first, so the errors the others print from now on (gloo's "
+        f"'collective mismatch', a heartbeat timeout naming task {pid}, an abort) are a "
+        f"consequence of its exit, not bugs of their own; its cause is in the [p{pid}] lines "
+        f"above. The others get {grace_seconds:g} s to stop, then are killed"
+    )
+
+
 def launch(
     command: Sequence[str],
     *,
@@ -272,7 +292,10 @@ def launch(
       out: where the prefixed output goes (default `sys.stdout`).
 
     Returns:
-      The worst exit code (0 when every process succeeded; 128+N for a signal N).
+      0 when every process succeeded, else the exit code of the process that failed first
+      (128+N for a signal N; the others' failures follow from it: the launcher says so, as
+      `[launch] process 1 exited with code 3 while process 0 still runs: ...`, and kills
+      those still running after `grace_seconds`), or 124 after `timeout_seconds`.
 
     Raises:
       LaunchError: a bad process or device count, no command, or a coordinator port in use.
@@ -336,18 +359,33 @@ def launch(
 
     start = time.monotonic()
     failed_at: float | None = None
+    first: int | None = None  # the process that failed first
+    peers_ran = False  # whether others still ran then: their failures follow from it
     reported: set[int] = set()
+
+    def report(pid: int, code: int) -> None:
+        nonlocal first, peers_ran
+        reported.add(pid)
+        if code == 0:
+            return
+        if first is None:
+            first = pid
+            running = [q for q, p in enumerate(procs) if p.poll() is None]
+            peers_ran = bool(running)
+            say(_death(pid, code, running, grace_seconds))
+        else:
+            after = f" (after process {first} failed)" if peers_ran else ""
+            say(f"process {pid} {_describe(code)}{after}")
+
     try:
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
             for pid, p in enumerate(procs):
                 code = p.poll()
                 if code is not None and pid not in reported:
-                    reported.add(pid)
-                    if code != 0:
-                        say(f"process {pid} {_describe(code)}")
-                        if failed_at is None:
-                            failed_at = now
+                    report(pid, code)
+                    if code != 0 and failed_at is None:
+                        failed_at = now
             if failed_at is not None and now - failed_at > grace_seconds:
                 say(f"killing the processes still running {grace_seconds:.0f} s after a failure")
                 _kill(procs)
@@ -367,9 +405,18 @@ def launch(
     for t in pumps:
         t.join(timeout=5)
     for pid, p in enumerate(procs):
-        if pid not in reported and p.returncode != 0:
-            say(f"process {pid} {_describe(p.returncode)}")
-    return max(_exit_code(p.returncode) for p in procs)
+        if pid not in reported:
+            report(pid, p.returncode)
+    if first is None:
+        return 0
+    followers = [q for q, p in enumerate(procs) if q != first and p.returncode != 0]
+    if followers and peers_ran:  # the last lines are read first: name the cause again
+        say(
+            f"process {first} failed first ({_describe(procs[first].returncode)}); the "
+            f"failures of {_names(followers)} followed from its exit: see the [p{first}] "
+            "lines above for the cause"
+        )
+    return _exit_code(procs[first].returncode)
 
 
 def _kill(procs: Sequence[subprocess.Popen]) -> None:
@@ -391,7 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       argv: the arguments after the program name (default `sys.argv[1:]`).
 
     Returns:
-      The exit code: `launch`'s, or 2 after printing a `LaunchError` to stderr.
+      The exit code: `launch`'s (the first failed process's), or 2 after printing a
+      `LaunchError` to stderr.
 
     Examples:
       >>> main(["--processes", "1", "--devices-per-process", "1", "--", "-c", "print(6 * 7)"])

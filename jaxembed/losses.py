@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxembed import layout
+from jaxembed.ids import as_ids
 from jaxembed.ops import (
     is_explicit,
     move,
@@ -523,12 +524,7 @@ def vocab_parallel_cross_entropy(
       True
     """
     hidden = hidden if isinstance(hidden, jax.Array | jax.core.Tracer) else jnp.asarray(hidden)
-    labels = labels if isinstance(labels, jax.Array | jax.core.Tracer) else jnp.asarray(labels)
-    if not jnp.issubdtype(labels.dtype, jnp.integer):
-        raise TypeError(
-            f"labels must be integers, got {labels.dtype} labels of shape {labels.shape}: "
-            "cast them with labels.astype(jnp.int32)"
-        )
+    labels = as_ids(labels, "labels")  # any width, checked before it is narrowed
     for name, a in (("hidden", hidden), ("table", table)):
         if not jnp.issubdtype(a.dtype, jnp.floating):
             raise TypeError(f"{name} must be floating point, got {a.dtype}")
@@ -576,7 +572,7 @@ def vocab_parallel_cross_entropy(
         label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index,
     )  # fmt: skip
     hidden = move(hidden, mesh, plan.hidden_spec)
-    labels = move(labels.astype(jnp.int32), mesh, plan.tokens_spec)
+    labels = move(labels.astype(jnp.int32), mesh, plan.tokens_spec)  # int32 holds them
     loss = _cross_entropy(plan, mesh, hidden, table, labels)
     loss = move(loss, mesh, plan.out_spec)  # a free slice when the tokens were gathered
     if reduction == "sum":

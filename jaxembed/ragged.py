@@ -48,6 +48,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxembed.ids import as_ids, check_ids_fit
+from jaxembed.ids import concrete as _concrete
+
 __all__ = [
     "COMBINERS",
     "BagBatch",
@@ -55,6 +58,7 @@ __all__ = [
     "bag_counts",
     "bag_scales",
     "check_bag_ids",
+    "check_weights_allowed",
     "global_segments",
     "lengths_from_offsets",
     "segments_from_lengths",
@@ -65,13 +69,14 @@ __all__ = [
 COMBINERS = ("sum", "mean", "sqrtn", "max")
 
 
-def _concrete(a: Any) -> np.ndarray | None:
-    """`a` as a numpy array when its values are known here, else None (a tracer)."""
-    if isinstance(a, jax.core.Tracer):
-        return None
-    if isinstance(a, jax.Array) and not a.is_fully_addressable:
-        return None  # another process holds part of it
-    return np.asarray(a)
+def check_weights_allowed(combiner: str | None, weighted: bool, where: str = "") -> None:
+    """Raises for per-id weights on a max-pooled bag (a maximum is not weighted); messages
+    start with `where` (a collection names the feature and table there)."""
+    if combiner == "max" and weighted:
+        raise ValueError(
+            f"{where}per_id_weights cannot be used with combiner='max' (a maximum is not "
+            "weighted): drop the weights, or use 'sum', 'mean' or 'sqrtn'"
+        )
 
 
 def _at(name: str, index: tuple[int, ...]) -> str:
@@ -183,12 +188,10 @@ class Ragged:
     weights: jax.Array | None = None
 
     def __post_init__(self):
-        values, lengths, weights = (
-            a if a is None or isinstance(a, jax.Array | jax.core.Tracer) else jnp.asarray(a)
-            for a in (self.values, self.lengths, self.weights)
-        )
-        _check_dtypes(values, "values", "int")
-        _check_dtypes(lengths, "lengths", "int")
+        values, lengths = as_ids(self.values, "values"), as_ids(self.lengths, "lengths")
+        weights = self.weights
+        if weights is not None and not isinstance(weights, jax.Array | jax.core.Tracer):
+            weights = jnp.asarray(weights)
         _check_flat(values, lengths, "lengths")
         if weights is not None:
             _check_dtypes(weights, "weights", "float")
@@ -278,6 +281,8 @@ class Ragged:
         for i, b in enumerate(bags):
             if b.size and not np.issubdtype(b.dtype, np.integer):
                 raise TypeError(f"bag {i} holds non-integer ids {b.tolist()}: ids are ints")
+            if b.size:
+                check_ids_fit(b, f"bag {i}")  # before they are packed into `dtype`
         if weights is not None:
             weights = [np.asarray(w, np.float32).reshape(-1) for w in weights]
             if len(weights) != len(bags) or any(
@@ -346,7 +351,7 @@ class Ragged:
           >>> r.lengths.tolist(), r.to_lists()
           ([1, 0, 3], [[5], [], [6, 7, 8]])
         """
-        values, offsets = jnp.asarray(values), jnp.asarray(offsets)
+        values, offsets = as_ids(values, "values"), as_ids(offsets, "offsets")
         lengths = _lengths_of_offsets(values, offsets, include_last_offset)
         return cls(values, lengths, weights)
 
@@ -541,8 +546,7 @@ def to_bag_batch(
         if x.weights is not None:
             per_id_weights = x.weights
         x, lengths = x.values, x.lengths
-    x = jnp.asarray(x) if not isinstance(x, jax.Array | jax.core.Tracer) else x
-    _check_dtypes(x, "ids", "int")
+    x = as_ids(x)
     if lengths is not None and offsets is not None:
         raise ValueError("pass lengths or offsets, not both: they say the same thing")
     if include_last_offset and offsets is None:
@@ -564,10 +568,9 @@ def to_bag_batch(
         segments = jnp.where(ids >= 0, 0, -1).astype(jnp.int32)
         return BagBatch(ids, segments, weights, 1, True)
     if offsets is not None:
-        lengths = _lengths_of_offsets(x, jnp.asarray(offsets), include_last_offset)
+        lengths = _lengths_of_offsets(x, as_ids(offsets, "offsets"), include_last_offset)
     else:
-        lengths = jnp.asarray(lengths)
-        _check_dtypes(lengths, "lengths", "int")
+        lengths = as_ids(lengths, "lengths")
         _check_flat(x, lengths, "lengths")
         concrete = _concrete(lengths)
         if concrete is not None:

@@ -20,19 +20,45 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxembed.ragged import COMBINERS
 
-__all__ = ["PLACEMENTS", "FeatureConfig", "TableConfig", "check_configs"]
+__all__ = ["DTYPES", "PLACEMENTS", "FeatureConfig", "TableConfig", "check_configs"]
 
 PLACEMENTS = ("replicated", "table", "rows", "columns", "table_rows", "auto")
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # a table's rows are trained: floats
 
 
-def _axes(axes: Any) -> tuple[str, ...] | None:
+def _axes(name: str, axes: Any) -> tuple[str, ...] | None:
     if axes is None:
         return None
-    return (axes,) if isinstance(axes, str) else tuple(axes)
+    out = (axes,) if isinstance(axes, str) else axes
+    if not isinstance(out, Sequence) or not all(isinstance(a, str) and a for a in out):
+        raise TypeError(
+            f"table {name!r}: axes must be None, a mesh axis name or a sequence of them, like "
+            f"axes='model' or axes=('data', 'model'), got {axes!r}"
+        )
+    if len(set(out)) != len(out):
+        raise ValueError(f"table {name!r}: axes {tuple(out)} name a mesh axis twice")
+    return tuple(out)
+
+
+def _dtype(name: str, dtype: Any) -> np.dtype:
+    """The canonical dtype of a table's rows (`jnp.dtype`: `"bfloat16"` is a name too)."""
+    try:
+        canonical = jnp.dtype(dtype) if dtype is not None else None  # None would be float64
+    except (TypeError, ValueError):
+        canonical = None
+    if canonical is None or canonical.name not in DTYPES:
+        got = f"{dtype!r}" if canonical is None else f"{dtype!r} ({canonical.name})"
+        raise TypeError(
+            f"table {name!r}: dtype must be a float dtype, one of {DTYPES} (a type like "
+            f"jnp.bfloat16 or its name), got {got}: the rows are trained by gradients, so use "
+            "dtype='float32', or 'bfloat16' to halve their memory"
+        )
+    return canonical
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +76,14 @@ class TableConfig:
       row_sharding: `"block"` or `"mod"` for split rows (see `jaxembed.rowsharding`).
       initializer: a Flax initializer `(key, shape, dtype) -> array` (default: Flax's
         embedding initializer, as `nnx.Embed`).
-      dtype: the parameter's dtype.
+      dtype: the parameter's dtype, one of `DTYPES` (`"float32"`, `"bfloat16"`,
+        `"float16"`, `"float64"`), as a type or its name; kept as its canonical `np.dtype`.
+
+    Raises:
+      ValueError: an empty name, a vocab_size or dim that is not a positive int, an unknown
+        placement or row_sharding, an axis named twice.
+      TypeError: axes that are not mesh axis names, an initializer that is not callable, a
+        dtype that is not a float dtype of `DTYPES`.
 
     Examples:
       >>> TableConfig("item", vocab_size=1_000_000, dim=64, placement="rows")
@@ -84,7 +117,13 @@ class TableConfig:
                 f"table {self.name!r}: row_sharding must be 'block' or 'mod', got "
                 f"{self.row_sharding!r}"
             )
-        object.__setattr__(self, "axes", _axes(self.axes))
+        if self.initializer is not None and not callable(self.initializer):
+            raise TypeError(
+                f"table {self.name!r}: initializer must be a callable (key, shape, dtype) -> "
+                f"array, like jax.nn.initializers.normal(0.01), or None, got {self.initializer!r}"
+            )
+        object.__setattr__(self, "axes", _axes(self.name, self.axes))
+        object.__setattr__(self, "dtype", _dtype(self.name, self.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +139,10 @@ class FeatureConfig:
       max_ids: the bag capacity L this feature's dense input `[B, L]` has (for the planner's
         estimates; inputs carry their own shapes). Default 1.
 
+    Raises:
+      ValueError: an empty name, an unknown combiner, a max_ids that is not a positive int.
+      TypeError: a table that is not a table's name (e.g. the `TableConfig` itself).
+
     Examples:
       >>> FeatureConfig("clicked_items", table="item", combiner="mean", max_ids=50)
       FeatureConfig(name='clicked_items', table='item', combiner='mean', max_ids=50)
@@ -113,13 +156,25 @@ class FeatureConfig:
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"a feature needs a non-empty str name, got {self.name!r}")
+        if not isinstance(self.table, str) or not self.table:
+            fix = (
+                f"table={self.table.name!r}"
+                if isinstance(self.table, TableConfig)
+                else "table='item'"
+            )
+            raise TypeError(
+                f"feature {self.name!r}: table must be the name of a table (a non-empty str), "
+                f"like {fix}, got {self.table!r}"
+            )
         if self.combiner is not None and self.combiner not in COMBINERS:
             raise ValueError(
                 f"feature {self.name!r}: combiner must be one of {COMBINERS} or None "
                 f"(unpooled), got {self.combiner!r}"
             )
         if self.max_ids is not None and (
-            isinstance(self.max_ids, bool) or not isinstance(self.max_ids, int) or self.max_ids < 1
+            isinstance(self.max_ids, bool)
+            or not isinstance(self.max_ids, int | np.integer)
+            or self.max_ids < 1
         ):
             raise ValueError(
                 f"feature {self.name!r}: max_ids must be a positive int, got {self.max_ids!r}"

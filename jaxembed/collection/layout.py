@@ -202,12 +202,21 @@ def _resolve_axes(t: TableConfig, placement: str, names, sizes) -> tuple[tuple, 
         r = axes or tuple(a for a in names if sizes[a] > 1)
         return r, (), math.prod(sizes[a] for a in r)
     if placement == "table_rows":
-        across, within = axes if axes else (names[0], names[1] if len(names) > 1 else None)
-        if within is None or (axes is not None and len(axes) != 2):
+        given = axes if axes else tuple(names[:2])  # default: the mesh's first two axes
+        if len(given) != 2:
+            got = f"axes={axes}" if axes else "no axes (default: the mesh's first two)"
+            fix = (
+                f"pass two of them, e.g. axes={tuple(names[:2])}"
+                if len(names) >= 2
+                else "use a mesh of two axes"
+            )
             raise ValueError(
                 f"table {t.name!r}: placement 'table_rows' needs axes=(across, within), two "
-                f"mesh axes (rows over `within`, tables over `across`), got {axes}"
+                f"mesh axes (rows over `within`, tables over `across`), got {got} on mesh "
+                f"axes {names}: {fix}, or use placement='rows' to split the rows over "
+                f"{axes or names}"
             )
+        across, within = given
         return (across, within), (), sizes[within]
     raise ValueError(f"table {t.name!r}: placement {placement!r} must be resolved first")
 
@@ -231,7 +240,9 @@ def layout_collection(
       The `CollectionLayout`.
 
     Raises:
-      ValueError: unknown tables or axes, a columns split that does not divide the dim.
+      ValueError: unknown tables or axes, a columns split that does not divide the dim, a
+        `"table_rows"` placement without two axes `(across, within)` (named in `axes`, or
+        the mesh's first two).
     """
     by_name = check_configs(tables, features)
     if mesh is None:

@@ -22,6 +22,7 @@ max-pooled features make their own call. Ids are first mapped to their stack row
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,11 +33,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxembed import ragged
 from jaxembed.collection.layout import CollectionLayout, Stack, stacked_width
+from jaxembed.ids import as_ids
 from jaxembed.kernels.arrays import move, resolve_mesh, warn_once
 from jaxembed.kernels.bag import embedding_bag
 from jaxembed.kernels.lookup import resolve_layouts
 
-__all__ = ["Group", "collection_lookup", "collection_update", "groups_of"]
+__all__ = ["Group", "checked_batch", "collection_lookup", "collection_update", "groups_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,22 +52,48 @@ class Group:
     features: tuple[str, ...]
 
 
-def _as_input(feature: str, value: Any) -> tuple[str, Any, Any, Any]:
-    """(kind, ids or values, lengths or None, weights or None) of one feature's input."""
+def _as_input(feature: str, value: Any, where: str = "") -> tuple[str, Any, Any, Any]:
+    """(kind, ids or values, lengths or None, weights or None) of one feature's input, ids
+    checked and narrowed as `embedding_bag` reads them (`jaxembed.ids.as_ids`); messages
+    start with `where` (default: the feature's name)."""
+    where = where or f"feature {feature!r}: "
     if isinstance(value, ragged.Ragged):
-        return "ragged", value.values, value.lengths, value.weights
+        return "ragged", as_ids(value.values, "values", where=where), value.lengths, value.weights
+    weights = None
     if isinstance(value, tuple) and len(value) == 2:
-        ids, weights = value
-        return "dense", jnp.asarray(ids), None, jnp.asarray(weights, jnp.float32)
-    ids = value if isinstance(value, jax.Array | jax.core.Tracer) else jnp.asarray(value)
+        value, weights = value
+        weights = weights if isinstance(weights, jax.Array | jax.core.Tracer) else (
+            jnp.asarray(weights)
+        )  # fmt: skip
+        if not jnp.issubdtype(weights.dtype, jnp.floating):
+            raise TypeError(
+                f"{where}per-id weights must be floats, got {weights.dtype} of "
+                f"shape {weights.shape}: cast them with weights.astype(jnp.float32)"
+            )
+        weights = weights.astype(jnp.float32)
+    ids = as_ids(value, where=where)
     if ids.ndim == 1:
         ids = ids[:, None]  # one id per example
+        weights = None if weights is None or weights.ndim != 1 else weights[:, None]
     if ids.ndim != 2:
         raise ValueError(
-            f"feature {feature!r}: dense ids must be [B] or [B, L], got shape {ids.shape}; "
+            f"{where}dense ids must be [B] or [B, L], got shape {ids.shape}; "
             "pass a jaxembed.Ragged for bags of varying length"
         )
-    return "dense", ids, None, None
+    if weights is not None and weights.shape != ids.shape:
+        raise ValueError(
+            f"{where}per-id weights {weights.shape} must have the shape of its "
+            f"ids {ids.shape}: one weight per id, as (ids, weights)"
+        )
+    return "dense", ids, None, weights
+
+
+def _examples(kind: str, values: Any, lengths: Any) -> int:
+    """The examples of one feature's input: B of dense `[B, L]`, `prod(lead)·B` bags of a
+    `Ragged` (its output's rows)."""
+    if kind == "dense":
+        return values.shape[0]
+    return math.prod(lengths.shape)
 
 
 def _check_ids(layout: CollectionLayout, feature: str, value: Any) -> None:
@@ -92,6 +120,44 @@ def _check_ids(layout: CollectionLayout, feature: str, value: Any) -> None:
             f"{f.table!r} of {vocab} rows (valid ids: 0 to {vocab - 1}); under jax.jit such "
             "ids read nothing and get no gradient"
         )
+
+
+def checked_batch(layout: CollectionLayout, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The collection's inputs, each checked by the rules `embedding_bag` applies (integer
+    ids that fit int32, float weights shaped like the ids, no weights on a max-pooled
+    feature) with messages naming the feature and its table, and all of one batch size.
+
+    Returns `{feature: input}` with dense ids as int32 jax arrays (other keys are dropped).
+
+    Raises:
+      TypeError: float ids, integer weights.
+      ValueError: a missing feature, wide or malformed ids, weights with max, features whose
+        batch sizes differ.
+    """
+    missing = [f.name for f in layout.features if f.name not in batch]
+    if missing:
+        raise ValueError(f"the batch has no input for features {missing} (it has {sorted(batch)})")
+    out, sizes = {}, {}
+    for f in layout.features:
+        where = f"feature {f.name!r} (table {f.table!r}): "
+        kind, values, lengths, weights = _as_input(f.name, batch[f.name], where)
+        ragged.check_weights_allowed(f.combiner, weights is not None, where)
+        if kind == "ragged":
+            value = batch[f.name]
+            out[f.name] = value if value.values is values else ragged.Ragged(
+                values, value.lengths, value.weights
+            )  # fmt: skip
+        else:
+            out[f.name] = values if weights is None else (values, weights)
+        sizes[f.name] = _examples(kind, values, lengths)
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{name!r}: {n}" for name, n in sizes.items())
+        raise ValueError(
+            f"the collection's features have different batch sizes ({listed}): every feature "
+            "needs one input per example of the batch (a Ragged: one bag per example, "
+            "lead dims included); pad or slice them to one batch size"
+        )
+    return out
 
 
 def groups_of(layout: CollectionLayout, batch: Mapping[str, Any]) -> list[Group]:
@@ -139,7 +205,7 @@ def _operands(layout: CollectionLayout, group: Group, batch: Mapping[str, Any]):
     for name in group.features:
         f = features[name]
         _, values, lens, w = _as_input(name, batch[name])
-        gid = layout.placement(f.table).stack_ids(values.astype(jnp.int32), stack.local_rows)
+        gid = layout.placement(f.table).stack_ids(values, stack.local_rows)
         valid = gid >= 0
         if group.kind == "dense":  # pooled: one bag of n slots; unpooled: n bags of one
             n = values.shape[-1]
@@ -191,7 +257,7 @@ def _stacked_operands(layout: CollectionLayout, group: Group, batch: Mapping[str
     for index, name in enumerate(group.features):
         f = features[name]
         _, values, _, w = _as_input(name, batch[name])
-        gid = layout.placement(f.table).stack_ids(values.astype(jnp.int32), stack.local_rows)
+        gid = layout.placement(f.table).stack_ids(values, stack.local_rows)
         pad = [(0, 0)] * (gid.ndim - 1) + [(0, width - gid.shape[-1])]
         if group.combiner == "sum":
             valid = gid >= 0
@@ -247,8 +313,8 @@ def collection_lookup(
         (`exchange` may be a mapping from stack index to exchange).
     """
     outputs: dict[str, jax.Array] = {}
+    batch = checked_batch(layout, batch)  # other keys: not ours
     groups = groups_of(layout, batch)
-    batch = {f.name: batch[f.name] for f in layout.features}  # other keys: not ours
     for name, value in batch.items():
         _check_ids(layout, name, value)
     for group in groups:
@@ -332,8 +398,8 @@ def collection_update(
       The new stacks and states, by stack index.
     """
     stacks, states = dict(stacks), dict(states)
+    batch = checked_batch(layout, batch)
     groups = groups_of(layout, batch)
-    batch = {f.name: batch[f.name] for f in layout.features}
     per_stack: dict[int, int] = {}
     for g in groups:
         per_stack[g.stack] = per_stack.get(g.stack, 0) + 1
@@ -368,6 +434,6 @@ def _join(group: Group, pieces, out_grads, ids, stack: Stack) -> jax.Array:
             g = g[..., None, :] if pooled else g
         else:
             g = g.reshape(*lead, count, stack.dim)
-            g = jnp.concatenate([g, jnp.zeros_like(g[..., :1, :])], axis=-2)
+            g = jnp.pad(g, [(0, 0)] * (g.ndim - 2) + [(0, 1), (0, 0)])  # the gap bag's zero
         blocks.append(g)
     return jnp.concatenate(blocks, axis=-2)

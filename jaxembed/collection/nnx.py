@@ -28,6 +28,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxembed import tape
+from jaxembed.collection.checks import (
+    check_array,
+    check_exported_optimizer,
+    check_out_grads,
+    check_states,
+    check_tables,
+)
 from jaxembed.collection.config import FeatureConfig, TableConfig
 from jaxembed.collection.layout import CollectionLayout, Stack, layout_collection
 from jaxembed.collection.lookup import collection_lookup, collection_update
@@ -38,12 +45,41 @@ __all__ = ["EmbeddingBagCollection", "build_stack", "concat_features", "unstack"
 
 
 def build_stack(
-    layout: CollectionLayout, stack: Stack, values: Mapping[str, jax.Array], *, per_row=False
+    layout: CollectionLayout,
+    stack: Stack,
+    values: Mapping[str, jax.Array],
+    *,
+    per_row: bool = False,
+    dtype: Any = None,
 ):
     """The physical stack holding `values[name]` (each `[V, dim]` in id order, or `[V]` with
-    `per_row`, a one-per-row optimizer state) in its rows."""
+    `per_row`, a one-per-row optimizer state) in its rows.
+
+    Args:
+      layout, stack: the collection's layout and the stack to build.
+      values: every table of the stack, by name (numpy, jax or traced).
+      per_row: the values are one per row, `[V]` (f32 unless `dtype` says otherwise).
+      dtype: the stack's dtype; default the tables' (f32 for `per_row`).
+
+    Raises:
+      ValueError: a table missing from `values`, or one whose shape is not exactly `[V, dim]`
+        (`[V]`): it would be broadcast over every row (`jaxembed.collection.checks`).
+    """
     shape = stack.shape[:1] if per_row else stack.shape
-    dtype = jnp.float32 if per_row else stack.dtype
+    if dtype is None:
+        dtype = jnp.float32 if per_row else stack.dtype
+    missing = [n for n in stack.tables if n not in values]
+    if missing:
+        raise ValueError(f"build_stack: no values for tables {missing} of stack {stack.name}")
+    for name in stack.tables:
+        p = layout.placement(name)
+        want = (p.vocab_size,) if per_row else (p.vocab_size, p.dim)
+        check_array(
+            f"build_stack: table {name!r}", values[name], want, dtype,
+            target=f"table {name!r} ({'one value per row' if per_row else '[vocab_size, dim]'})",
+            fix="a table's values are in id order, one row per id (an initializer must return "
+            "the shape it is given)",
+        )  # fmt: skip
     concrete = not any(isinstance(values[n], jax.core.Tracer) for n in stack.tables)
     # Concrete values are stacked on the host (numpy, one buffer), not by an op per table on
     # arrays that a mesh context may replicate on every device.
@@ -137,6 +173,21 @@ def planned(tables: Sequence[TableConfig], placements: Any, exchange: Any):
     if configs is None:
         return tuple(tables), exchange
     return tuple(configs), placements.exchanges if exchange == "auto" else exchange
+
+
+def _placed_mesh(mesh: Any, table: Any) -> Any:
+    """Outside any `jax.set_mesh`, the concrete mesh a placed (concrete) stack lives on, where
+    `mesh` is the abstract mesh of the context the collection was built under (which the
+    state's placement would need); else `mesh` as is."""
+    if not isinstance(mesh, jax.sharding.AbstractMesh) or isinstance(table, jax.core.Tracer):
+        return mesh
+    if not jax.sharding.get_abstract_mesh().empty:
+        return mesh
+    sharding = getattr(table, "sharding", None)
+    placed = getattr(sharding, "mesh", None)
+    if isinstance(placed, jax.sharding.Mesh) and placed.axis_names == mesh.axis_names:
+        return placed
+    return mesh
 
 
 def _mesh(mesh: Any) -> Any:
@@ -255,22 +306,51 @@ class EmbeddingBagCollection(nnx.Module):
         return unstack(self.layout, self._stacks())
 
     def load_tables(self, values: Mapping[str, jax.Array]) -> None:
-        """Sets every table from `{name: [vocab_size, dim]}` in id order (any layout)."""
+        """Sets every table from `{name: [vocab_size, dim]}` in id order (any layout).
+
+        Every table is checked before any is written: on an error the collection is as it was.
+
+        Args:
+          values: every table of the collection, `[vocab_size, dim]` in id order (as `tables()`
+            gives them, e.g. from a checkpoint of another mesh or placement), of a float dtype
+            (converted to the table's).
+
+        Raises:
+          ValueError: a table missing or not in the collection (both named, beside the
+            collection's tables); a table of another shape (a `[1, dim]` row, a `[dim]`
+            vector or a scalar is never broadcast over the rows), or of an integer or bool
+            dtype.
+        """
+        check_tables(self.layout, values)
         values = {k: np.asarray(v) for k, v in values.items()}
+        new = {}
         for s in self.layout.stacks:
             array = build_stack(self.layout, s, values)
             old = self.stacks[s.name][...]
             if isinstance(getattr(old, "sharding", None), NamedSharding):
                 array = jax.device_put(array, old.sharding)
-            array = jnp.asarray(array)
-            self.stacks[s.name][...] = array
+            new[s.name] = jnp.asarray(array)
+        for name, array in new.items():
+            self.stacks[name][...] = array
 
     def init_optimizer(self, optimizer: Any) -> dict[int, Any]:
-        """The row-sparse optimizer's state of every stack (`jaxembed.optim`)."""
-        return {
-            s.index: optimizer.init(self.stacks[s.name][...], mesh=self.mesh, weight_spec=s.spec)
-            for s in self.layout.stacks
-        }
+        """The row-sparse optimizer's state of every stack (`jaxembed.optim`), laid out like it.
+
+        Outside `jax.set_mesh` (a collection built under one, its tables placed on the mesh)
+        the states are placed on the tables' own mesh.
+
+        Args:
+          optimizer: a `jaxembed.optim.RowSparseOptimizer`.
+
+        Returns:
+          `{stack index: RowSparseState}`.
+        """
+        out = {}
+        for s in self.layout.stacks:
+            table = self.stacks[s.name][...]
+            mesh = _placed_mesh(self.mesh, table)
+            out[s.index] = optimizer.init(table, mesh=mesh, weight_spec=s.spec)
+        return out
 
     def export_optimizer(self, states: Mapping[int, Any]) -> dict[str, Any]:
         """The optimizer states per table in id order, `{table: {"count", "slots": {...}}}`,
@@ -285,7 +365,27 @@ class EmbeddingBagCollection(nnx.Module):
         return out
 
     def import_optimizer(self, optimizer: Any, exported: Mapping[str, Any]) -> dict[int, Any]:
-        """States for this collection's layout from `export_optimizer`'s per-table form."""
+        """States for this collection's layout from `export_optimizer`'s per-table form.
+
+        Everything is checked before any state is made.
+
+        Args:
+          optimizer: the `jaxembed.optim.RowSparseOptimizer` that exported the states.
+          exported: `{table: {"count": int32[], "slots": {slot: [vocab_size] or
+            [vocab_size, dim]}}}` for every table (`export_optimizer`'s result, e.g. from a
+            checkpoint of another mesh or placement).
+
+        Returns:
+          `{stack index: RowSparseState}` in this collection's layout.
+
+        Raises:
+          ValueError: a table missing or not in the collection; an entry without `"count"` or
+            `"slots"`; another optimizer's export (its slot names differ from this
+            optimizer's: both are named); a slot of another shape (a per-element slot for a
+            per-row one, a broadcastable `[1, dim]`...) or of an integer dtype; tables that
+            share a stack here but were exported with different update counts.
+        """
+        check_exported_optimizer(self.layout, optimizer, exported)
         states = self.init_optimizer(optimizer)
         out = {}
         for s in self.layout.stacks:
@@ -293,8 +393,8 @@ class EmbeddingBagCollection(nnx.Module):
             slots = {}
             for slot in optimizer.formula.slots:
                 values = {t: np.asarray(exported[t]["slots"][slot.name]) for t in s.tables}
-                array = build_stack(self.layout, s, values, per_row=slot.per_row)
                 old = state.slots[slot.name]
+                array = build_stack(self.layout, s, values, per_row=slot.per_row, dtype=old.dtype)
                 if isinstance(getattr(old, "sharding", None), NamedSharding):
                     array = jax.device_put(array, old.sharding)
                 slots[slot.name] = jnp.asarray(array)
@@ -317,8 +417,19 @@ class EmbeddingBagCollection(nnx.Module):
           optimizer: a `jaxembed.optim.RowSparseOptimizer`.
           states: from `init_optimizer` (or the last call).
           batch: the batch the outputs were looked up for.
-          out_grads: d loss / d output, per feature.
+          out_grads: d loss / d output of every feature, each of its output's shape.
+
+        Returns:
+          The new states, by stack index.
+
+        Raises:
+          ValueError: a feature's gradient missing from `out_grads`, or one that is not a
+            feature; a gradient of another shape than its output (the feature, its table, the
+            expected and given shapes) or of an integer dtype; states missing a stack or made
+            for another optimizer or layout.
         """
+        check_states(self.layout, optimizer, states, what="apply_gradients")
+        check_out_grads(self.layout, batch, out_grads)
         stacks, states = collection_update(
             self.layout, optimizer, self._stacks(), states, batch, out_grads, mesh=self.mesh,
             x_spec=self.x_sharding, exchange=self.exchange,

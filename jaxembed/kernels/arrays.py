@@ -23,6 +23,7 @@ import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -37,6 +38,8 @@ __all__ = [
     "stated_spec",
     "warn_if_layout_unknown",
     "warn_once",
+    "whole_on_one_device",
+    "zeros_like_output",
 ]
 
 _WARNED: set[tuple[str, str, int]] = set()
@@ -267,6 +270,54 @@ def warn_if_layout_unknown(a: Any, mesh: Any, *, function: str, arg: str, what: 
             f"{arg}=PartitionSpec(...) (the Flax modules do), or use an Explicit mesh.",
             stacklevel=3,
         )
+
+
+def zeros_like_output(
+    shape: tuple[int, ...], dtype: Any, mesh: Any, spec: P, table: jax.Array, table_spec: P
+) -> jax.Array:
+    """The output of a lookup whose batch holds no id (every bag empty, or no example at
+    all): zeros of `shape`, laid out as `spec`. Collectives over a zero-sized axis do not
+    lower, so empty batches never reach a kernel; the zeros are made per shard from the
+    table's own `shard_map`, so they live on its devices under any `jit`."""
+    if mesh is None or mesh.size == 1:
+        return jnp.zeros(shape, dtype)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    parts = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+    local = tuple(
+        n // math.prod(sizes[a] for a in _axes(entry))
+        for n, entry in zip(shape, parts, strict=True)
+    )
+    # `t[:0].sum()` is 0 whatever the table holds; it ties the zeros to the table, so that
+    # `jit` keeps the table's devices for them rather than pruning the unused argument.
+    body = jax.shard_map(
+        lambda t: jnp.zeros(local, dtype) + t[:0].sum().astype(dtype),
+        mesh=mesh,
+        in_specs=(table_spec,),
+        out_specs=spec,
+        check_vma=False,
+    )
+    return body(table)
+
+
+def whole_on_one_device(a: Any) -> Any:
+    """`a` with its type's mesh axes dropped when its mesh has one device (free there).
+
+    Under `jit` in a one-device Explicit mesh, a table typed `f32[V@model, H]` cannot feed
+    a plain gather (JAX asks for an `out_sharding`); on one device the split is only a
+    name, so the one-device paths drop it.
+    """
+    if not isinstance(a, jax.core.Tracer):
+        return a
+    try:
+        sharding = jax.typeof(a).sharding
+    except Exception:
+        return a
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or mesh.size != 1 or not is_explicit(mesh):
+        return a
+    if all(p is None for p in sharding.spec):
+        return a
+    return jax.sharding.reshard(a, NamedSharding(mesh, P()))
 
 
 def eager(*arrays: Any) -> bool:

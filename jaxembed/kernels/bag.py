@@ -27,6 +27,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from jaxembed import ragged
+from jaxembed.ids import as_ids
 from jaxembed.kernels import local as local_ops
 from jaxembed.kernels import routed as routed_ops
 from jaxembed.kernels.arrays import (
@@ -37,11 +38,12 @@ from jaxembed.kernels.arrays import (
     spec_of,
     stated_spec,
     warn_once,
+    whole_on_one_device,
+    zeros_like_output,
 )
 from jaxembed.kernels.lookup import (
     LookupStats,
     _with_stats,
-    as_ids,
     check_table,
     cotangent_spec,
     finish_gradient,
@@ -438,14 +440,17 @@ def _dense_bag(bags: Bags, plan_bag, weight, vocab_size, padding_idx):
     )  # fmt: skip
 
 
-def prepare_bags(x, lengths, offsets, per_id_weights, include_last_offset) -> Bags:
+def prepare_bags(
+    x, lengths, offsets, per_id_weights, include_last_offset, *, check: bool = True
+) -> Bags:
     """The user's input form as `Bags`: a `Ragged` unpacked, offsets turned into lengths,
     every static check of `jaxembed.ragged.to_bag_batch` applied (and value checks when
-    concrete)."""
+    concrete). Ids of any width are checked before they are narrowed (`jaxembed.ids`);
+    `check=False` saturates concrete ids int32 cannot hold instead of raising."""
     if isinstance(x, ragged.Ragged):
         ragged.to_bag_batch(x, lengths=lengths, offsets=offsets, per_id_weights=per_id_weights)
-        return Bags(as_ids(x.values), x.lengths, x.weights)
-    x = as_ids(x)
+        return Bags(as_ids(x.values, check=check), x.lengths, x.weights)
+    x = as_ids(x, check=check)
     ragged.to_bag_batch(
         x,
         lengths=lengths,
@@ -458,7 +463,7 @@ def prepare_bags(x, lengths, offsets, per_id_weights, include_last_offset) -> Ba
             jnp.asarray(offsets), x.shape[-1], include_last_offset=include_last_offset
         )
     weights = None if per_id_weights is None else jnp.asarray(per_id_weights, jnp.float32)
-    return Bags(x, None if lengths is None else jnp.asarray(lengths), weights)
+    return Bags(x, None if lengths is None else as_ids(lengths, "lengths"), weights)
 
 
 def _check_bag_ids(bags: Bags, vocab_size: int) -> None:
@@ -549,19 +554,16 @@ def embedding_bag(
       >>> embedding_bag(ids, table, combiner="mean").tolist()
       [[3.0, 4.0], [6.0, 7.0], [3.0, 4.0], [6.0, 7.0]]
     """
-    bags = prepare_bags(x, lengths, offsets, per_id_weights, include_last_offset)
+    bags = prepare_bags(x, lengths, offsets, per_id_weights, include_last_offset, check=check_ids)
     check_table(weight)
-    if combiner == "max" and bags.weights is not None:
-        raise ValueError(
-            "per_id_weights cannot be used with combiner='max' (a maximum is not weighted): "
-            "drop the weights, or use 'sum', 'mean' or 'sqrtn'"
-        )
+    ragged.check_weights_allowed(combiner, bags.weights is not None)
     mesh = resolve_mesh(mesh, weight, bags.ids)
     plan_vocab = weight.shape[0] if vocab_size is None else vocab_size
     if runs_on_one_device(mesh, x_spec, weight_spec, out_spec):
         validate_scalars(plan_vocab, padding_idx, weight.shape[0])
         if check_ids:
             _check_bag_ids(bags, plan_vocab)
+        weight = whole_on_one_device(weight)
         out = _one_device_bag(bags, weight, combiner, vocab_size, padding_idx, impl)
         return _with_stats(out, return_stats)
     weight_spec, x_spec = resolve_layouts(
@@ -585,6 +587,11 @@ def embedding_bag(
     )  # fmt: skip
     if check_ids:
         _check_bag_ids(bags, plan.vocab_size)
+    if bags.ids.size == 0:  # every bag empty: zeros, and no collective over zero slots
+        out = zeros_like_output(
+            plan.out_shape, weight.dtype, mesh, plan.out_spec, weight, plan.weight_spec
+        )
+        return _with_stats(out, return_stats)
     operands = tuple(
         move(a, mesh, op.given) if not isinstance(a, jax.core.Tracer) else a
         for a, op in zip(bags.operands(), plan.operands, strict=True)

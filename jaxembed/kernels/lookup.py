@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxembed.ids import as_ids
 from jaxembed.kernels import local as local_ops
 from jaxembed.kernels import routed as routed_ops
 from jaxembed.kernels.arrays import (
@@ -34,6 +35,8 @@ from jaxembed.kernels.arrays import (
     spec_of,
     stated_spec,
     warn_once,
+    whole_on_one_device,
+    zeros_like_output,
 )
 from jaxembed.kernels.reshard import apply_moves, gather
 from jaxembed.plan import EmbeddingPlan, Exchange, plan_embedding
@@ -200,17 +203,6 @@ def check_table(weight: Any) -> None:
         )
     if not jnp.issubdtype(weight.dtype, jnp.floating):
         raise TypeError(f"weight must be a float table, got {weight.dtype}")
-
-
-def as_ids(x: Any, what: str = "ids") -> jax.Array:
-    """`x` as a jax array of integers; a TypeError naming the dtype otherwise."""
-    x = x if isinstance(x, jax.Array | jax.core.Tracer) else jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(
-            f"{what} must be integers, got {x.dtype} {what} of shape {x.shape}: cast them with "
-            "x.astype(jnp.int32) if they hold whole numbers"
-        )
-    return x
 
 
 def resolve_layouts(
@@ -498,7 +490,8 @@ def lookup(
         plan_vocab = weight.shape[0] if vocab_size is None else vocab_size
         validate_scalars(plan_vocab, padding_idx, weight.shape[0])
         check_ids_eagerly(x, plan_vocab)
-        return _with_stats(dense_lookup(x, weight, plan_vocab, padding_idx), return_stats)
+        out = dense_lookup(x, whole_on_one_device(weight), plan_vocab, padding_idx)
+        return _with_stats(out, return_stats)
     weight_spec, x_spec = resolve_layouts(
         x, weight, mesh, x_spec=x_spec, weight_spec=weight_spec, x_hint=x_hint,
         function=function, table_advice=table_advice, ids_advice=ids_advice,
@@ -514,6 +507,11 @@ def lookup(
         capacity=capacity, capacity_factor=capacity_factor, impl=impl,
     )  # fmt: skip
     check_ids_eagerly(x, plan.vocab_size)
+    if x.size == 0:  # no id: nothing to look up, and no collective lowers over zero slots
+        out = zeros_like_output(
+            plan.out_shape, weight.dtype, mesh, plan.out_spec, weight, plan.weight_spec
+        )
+        return _with_stats(out, return_stats)
     if not isinstance(x, jax.core.Tracer):
         x = move(x, mesh, plan.x_spec)  # a concrete array is put where x_spec says
     run = _lookup_jit if eager(x, weight) else _lookup

@@ -6,6 +6,8 @@ and then, instead of a scatter-add into a zero shard, `jaxembed.kernels.sparse.a
 dedup, gather the rows and their state, the formula, scatter back. The plan's exchange is
 `rows` (or `none`): the batch's partial sum is resolved by moving ids and output gradients,
 never by an all-reduce of a table-shaped buffer.
+
+`after(x, *reads)` orders the update after the step's reads of the table (see its docstring).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from jaxembed.kernels.reshard import apply_moves, gather
 from jaxembed.kernels.sparse import apply_rows
 from jaxembed.plan import EmbeddingPlan
 
-__all__ = ["sparse_update"]
+__all__ = ["after", "sparse_update"]
 
 
 def _plain_update(plan: EmbeddingPlan, given, out_grad, consume):
@@ -143,3 +145,81 @@ def sparse_update(
         check_vma=True,
     )
     return body(table, *slots, count, *operands, out_grad)
+
+
+def after(x: Any, *reads: Any) -> Any:
+    """`x` unchanged, but computed only once every array of `reads` is: an ordering in a step.
+
+    A donated table is updated in place only if XLA can order every read of its old value
+    before the update's write. When the update does not depend on the forward (a linear loss,
+    a fixed cotangent), nothing orders the forward's gather first and XLA copies the whole
+    table, every step. `opt.update(..., after=out)` and the training helpers pass the update's
+    gradient through `after`, which makes it depend on the reads by data, exactly: a select of
+    `x` on a predicate that is true for every value (NaN and inf included), computed from the
+    reads' bits. `jax.lax.optimization_barrier` is no such ordering: XLA's CPU pipeline
+    removes it before it inserts the copies.
+
+    A read with `x`'s structure, shapes and layouts (the lookup's outputs, for their
+    gradients) orders each leaf of `x` after its own counterpart, elementwise: no collective.
+    Any other read orders every leaf through one scalar: free for a scalar (the loss), else a
+    pass over the read and, when it is sharded, an all-reduce of one flag.
+
+    Args:
+      x: an array or a pytree of arrays (the update's `out_grad`, or several).
+      *reads: arrays or pytrees of arrays the step computes from the old table (the lookup's
+        outputs, the loss).
+
+    Returns:
+      `x`, bitwise, with the dependence.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> g = after(jnp.ones(3), jnp.array([jnp.nan, jnp.inf, -0.0]))
+      >>> g.tolist()
+      [1.0, 1.0, 1.0]
+    """
+    if not reads:
+        return x
+    leaves, treedef = jax.tree.flatten(x)
+    leaves = [jnp.asarray(a) for a in leaves]
+    paired: list[list[jax.Array]] = [[] for _ in leaves]
+    shared = None
+    for read in reads:
+        read_leaves, read_def = jax.tree.flatten(read)
+        read_leaves = [jnp.asarray(r) for r in read_leaves if hasattr(r, "shape")]
+        if _same_layout(read_def, read_leaves, treedef, leaves):
+            for flags, r in zip(paired, read_leaves, strict=True):
+                flags.append(_always_true(r))
+            continue
+        for r in read_leaves:
+            if r.size:
+                flag = jnp.all(_always_true(r)) if r.ndim else _always_true(r)
+                shared = flag if shared is None else shared & flag
+    out = []
+    for a, flags in zip(leaves, paired, strict=True):
+        flags = flags if shared is None else [*flags, shared]
+        if flags:
+            a = jnp.where(functools.reduce(jnp.logical_and, flags), a, jnp.zeros_like(a))
+        out.append(a)
+    return jax.tree.unflatten(treedef, out)
+
+
+def _always_true(read: Any) -> jax.Array:
+    """True at every element, but computed from `read`'s bits (XLA cannot fold it away)."""
+    read = jnp.asarray(read)
+    if jnp.issubdtype(read.dtype, jnp.inexact):
+        bits = jax.lax.bitcast_convert_type(jnp.real(read).astype(jnp.float32), jnp.uint32)
+    else:
+        bits = read.astype(jnp.uint32)
+    return (bits | jnp.uint32(0x7FFFFFFF)) != 0
+
+
+def _same_layout(read_def, read_leaves, treedef, leaves) -> bool:
+    """Whether a read pairs leaf by leaf with `x` (same structure, shapes and layouts)."""
+    return (read_def == treedef and len(read_leaves) == len(leaves) and all(
+        r.shape == a.shape and _spec(r) == _spec(a)
+        for r, a in zip(read_leaves, leaves, strict=True)))  # fmt: skip
+
+
+def _spec(a: jax.Array) -> Any:
+    return getattr(jax.typeof(a).sharding, "spec", None)

@@ -35,12 +35,14 @@ from typing import Any
 from jaxembed.optim import formulas
 from jaxembed.optim.sparse import RowSparseOptimizer as RowSparseOptimizer
 from jaxembed.optim.sparse import RowSparseState as RowSparseState
+from jaxembed.optim.sparse import after as after
 
 __all__ = [
     "RowSparseOptimizer",
     "RowSparseState",
     "adagrad",
     "adam",
+    "after",
     "ftrl",
     "partial_rowwise_adam",
     "rowwise_adagrad",

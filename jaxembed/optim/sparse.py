@@ -8,7 +8,10 @@
 
 `update` takes the same ids and keyword arguments as `jaxembed.embedding` (and, for bags, as
 `jaxembed.embedding_bag`: then `out_grad` is the pooled gradient). Under `jax.jit` with the
-table and state donated they are updated in place: no table-sized buffer, no copy.
+table and state donated they are updated in place: no table-sized buffer, no copy, provided
+XLA can order the step's reads of the old table first. When `out_grad` does not depend on the
+forward (a linear loss, a fixed cotangent) say what read it: `opt.update(..., after=emb)`
+(`after`); the training helpers do it for you.
 """
 
 from __future__ import annotations
@@ -21,14 +24,18 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxembed.ids import as_ids
 from jaxembed.kernels.arrays import eager, is_explicit, move, resolve_mesh, stated_spec
 from jaxembed.kernels.bag import prepare_bags
-from jaxembed.kernels.lookup import as_ids, check_table, cotangent_spec, resolve_layouts
+from jaxembed.kernels.lookup import check_table, cotangent_spec, resolve_layouts
 from jaxembed.kernels.update import _update_body, sparse_update
+from jaxembed.kernels.update import after as _after  # `update`'s `after=` shadows it
+from jaxembed.kernels.update import after as after
 from jaxembed.optim.formulas import RowFormula
 from jaxembed.plan import EmbeddingPlan, plan_embedding, plan_embedding_bag
+from jaxembed.ragged import check_weights_allowed
 
-__all__ = ["RowSparseOptimizer", "RowSparseState"]
+__all__ = ["RowSparseOptimizer", "RowSparseState", "after"]
 
 
 class RowSparseState(NamedTuple):
@@ -129,6 +136,7 @@ class RowSparseOptimizer:
         combiner: str | None = None,
         include_last_offset: bool = False,
         x_hint: P | None = None,
+        after: Any = None,
     ) -> tuple[jax.Array, RowSparseState]:
         """Applies one step to the rows the batch touched: backward and update in one kernel.
 
@@ -152,6 +160,10 @@ class RowSparseOptimizer:
           lengths, offsets, per_id_weights, combiner, include_last_offset: the bag lookup's
             arguments; any of them makes this a bag update.
           x_hint: a layout for the ids used where it divides (as the Flax modules' lookups).
+          after: what the step read from the old table (the lookup's output, or the loss):
+            the update then writes in place only after it (`jaxembed.optim.sparse.after`).
+            Pass it when `out_grad` does not depend on the forward (a linear loss, a fixed
+            cotangent): without it XLA may copy the whole donated table every step.
 
         Returns:
           `(table, state)`, in their own layouts.
@@ -159,6 +171,8 @@ class RowSparseOptimizer:
         Raises:
           ValueError: as the lookup, and `exchange="dense"`.
         """
+        if after is not None:  # the in-place write waits for the step's reads of the table
+            out_grad = _after(out_grad, after)
         check_table(table)
         if gradient_exchange is not None:
             exchange = gradient_exchange
@@ -170,6 +184,7 @@ class RowSparseOptimizer:
             bags = prepare_bags(x, lengths, offsets, per_id_weights, include_last_offset)
             operands, ids = bags.operands(), bags.ids
             combiner = combiner or "sum"
+            check_weights_allowed(combiner, bags.weights is not None)
         else:
             ids = as_ids(x)
             operands, bags = (ids,), None
@@ -184,6 +199,8 @@ class RowSparseOptimizer:
                               None, "auto", common)  # fmt: skip
             _check_out_grad(plan, out_grad, bags)
             slots = tuple(state.slots[s.name] for s in self.formula.slots)
+            if ids.size == 0:
+                return table, self._state(state, slots, jnp.zeros((), jnp.int32))
             (new_table, new_slots), overflow = _update_body(
                 plan, self.formula, len(slots), table, *slots, state.count, *operands, out_grad
             )
@@ -200,6 +217,9 @@ class RowSparseOptimizer:
         plan = self._plan(mesh, ids, table, bags, combiner, x_spec, weight_spec, out_spec,
                           exchange, common)  # fmt: skip
         _check_out_grad(plan, out_grad, bags)
+        if ids.size == 0:  # no id touched a row: the table and its slots are unchanged
+            slots = tuple(state.slots[s.name] for s in self.formula.slots)
+            return table, self._state(state, slots, jnp.zeros((), jnp.int32))
         operands = tuple(
             move(a, mesh, op.given) if not isinstance(a, jax.core.Tracer) else a
             for a, op in zip(operands, plan.operands, strict=True)

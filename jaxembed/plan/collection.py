@@ -241,9 +241,10 @@ def plan_collection(
       A `CollectionPlan`.
 
     Raises:
-      ValueError: bad configs, a batch that does not divide over `batch_axes`, or a budget
-        that no layout fits (the message names the smallest budget that does and the
-        table that breaks this one).
+      ValueError: bad configs, a batch that does not divide over `batch_axes`, a backend
+        without cost constants (not `"cpu"`, `"gpu"` or `"tpu"`), or a budget that no
+        layout fits (the message names the smallest budget that does and the table that
+        breaks this one).
 
     Examples:
       >>> import jax
@@ -290,7 +291,9 @@ def plan_collection(
         )
     formula = getattr(optimizer, "formula", optimizer)
     slots = (True,) if formula is None else tuple(s.per_row for s in formula.slots)
-    backend = backend or backend_of(mesh)
+    if backend is None:
+        backend = cost.check_backend(backend_of(mesh), source="the mesh's platform")
+    cost.check_backend(backend)
     ctx = Context(
         mesh=mesh, sizes=sizes, batch_size=int(batch_size), batch_axes=axes, state_slots=slots,
         stats=id_stats, constants=cost.load_constants(backend),

@@ -20,12 +20,11 @@ single-id feature of its own name.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from jaxembed.collection.config import FeatureConfig, TableConfig
 from jaxembed.plan.format import format_bytes
@@ -95,26 +94,68 @@ _TABLE_KEYS = {f.name for f in dataclasses.fields(TableConfig)} - {"initializer"
 _FEATURE_KEYS = {f.name for f in dataclasses.fields(FeatureConfig)}
 
 
-def _entries(data: Any, key: str, allowed: set[str], path: str) -> list[dict]:
+def _required(cls: type) -> list[str]:
+    """The fields of a config without a default (in order): the keys every entry needs."""
+    return [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+
+
+def _keys_text(cls: type, allowed: set[str]) -> str:
+    required = _required(cls)
+    optional = [f.name for f in dataclasses.fields(cls) if f.name in allowed - set(required)]
+    return f"an entry takes {required} and optionally {optional}"
+
+
+def _entries(data: Any, key: str, cls: type, allowed: set[str], path: str) -> list[dict]:
     items = data.get(key)
     if not isinstance(items, list) or not all(isinstance(x, dict) for x in items):
         raise ValueError(f"{path}: {key!r} must be a list of objects, got {items!r}")
-    for x in items:
+    for i, x in enumerate(items):
+        entry = f"{key}[{i}]" + (f" ({x['name']!r})" if "name" in x else "")
         extra = sorted(set(x) - allowed)
         if extra:
+            close = {k: difflib.get_close_matches(k, sorted(allowed), n=1) for k in extra}
+            hints = [f"{k!r} -> {m[0]!r}" for k, m in close.items() if m]
             raise ValueError(
-                f"{path}: {key} entry {x.get('name', x)!r} has unknown keys {extra}; "
-                f"allowed: {sorted(allowed)}"
+                f"{path}: {entry} has unknown keys {extra}: {_keys_text(cls, allowed)}"
+                + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+            )
+        missing = [k for k in _required(cls) if k not in x]
+        if missing:
+            raise ValueError(
+                f"{path}: {entry} is missing the key{'s' if len(missing) > 1 else ''} "
+                f"{missing}: {_keys_text(cls, allowed)}, e.g. {_EXAMPLES[key]}"
             )
     return items
+
+
+_EXAMPLES = {
+    "tables": '{"name": "item", "vocab_size": 1000000, "dim": 64}',
+    "features": '{"name": "clicked", "table": "item", "combiner": "mean", "max_ids": 50}',
+}
+
+
+def _build(cls: type, x: dict, key: str, i: int, path: str) -> Any:
+    """`cls(**x)`, its errors prefixed with the file and the entry (same exception type)."""
+    try:
+        return cls(**x)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{path}: {key}[{i}] ({x['name']!r}): {e}") from None
 
 
 def load_tables_json(path: str | Path) -> tuple[list[TableConfig], list[FeatureConfig]]:
     """Reads a TABLES.json: `{"tables": [...], "features": [...]}` (see the module).
 
     Raises:
-      ValueError: unreadable JSON, unknown keys, configs `TableConfig` or `FeatureConfig`
-        reject.
+      ValueError: unreadable JSON, an entry with unknown keys or without a required one
+        (tables need `name`, `vocab_size` and `dim`; features `name` and `table`), or a
+        value `TableConfig` or `FeatureConfig` rejects with a ValueError; every message
+        names the file and the entry (its index and name).
+      TypeError: a value `TableConfig` or `FeatureConfig` rejects with a TypeError (e.g. a
+        dtype that is not a float dtype), named likewise.
     """
     try:
         data = json.loads(Path(path).read_text())
@@ -122,24 +163,17 @@ def load_tables_json(path: str | Path) -> tuple[list[TableConfig], list[FeatureC
         raise ValueError(f"cannot read the tables file {str(path)!r}: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected an object with 'tables' and 'features'")
-    tables = []
-    for x in _entries(data, "tables", _TABLE_KEYS, str(path)):
-        x = dict(x)
-        if "dtype" in x:
-            x["dtype"] = np.dtype(x["dtype"]) if x["dtype"] != "bfloat16" else _bfloat16()
-        tables.append(TableConfig(**x))
+    path = str(path)
+    tables = [
+        _build(TableConfig, x, "tables", i, path)  # a dtype name: TableConfig reads it
+        for i, x in enumerate(_entries(data, "tables", TableConfig, _TABLE_KEYS, path))
+    ]
     if "features" in data:
-        features = [FeatureConfig(**x) for x in _entries(data, "features", _FEATURE_KEYS,
-                                                          str(path))]  # fmt: skip
+        entries = _entries(data, "features", FeatureConfig, _FEATURE_KEYS, path)
+        features = [_build(FeatureConfig, x, "features", i, path) for i, x in enumerate(entries)]
     else:
         features = [FeatureConfig(t.name, t.name) for t in tables]
     return tables, features
-
-
-def _bfloat16() -> Any:
-    import jax.numpy as jnp
-
-    return jnp.bfloat16
 
 
 def run_plan_tables(args: Any) -> int:

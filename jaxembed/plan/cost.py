@@ -39,8 +39,10 @@ from pathlib import Path
 
 __all__ = [
     "BACKENDS",
+    "KNOWN_BACKENDS",
     "CostConstants",
     "calibration_path",
+    "check_backend",
     "load_constants",
     "modelled_seconds",
     "ring_wire_bytes",
@@ -107,6 +109,40 @@ BACKENDS: dict[str, CostConstants] = {
     "tpu": CostConstants("tpu", 90e9, 8e11, 10e-6, 5e8),
 }
 
+KNOWN_BACKENDS = ("cpu", "gpu", "tpu")  # what a caller names; "cpu-native" is `impl="native"`
+
+
+def check_backend(backend: str, *, source: str | None = None) -> str:
+    """Returns `backend` when the cost model has constants for it.
+
+    Args:
+      backend: `"cpu"`, `"gpu"` or `"tpu"` (or `"cpu-native"`, the CPU with jaxembed's
+        kernels, as `load_constants(backend, impl)` names it).
+      source: where the value came from, for the message (e.g. `"the mesh's platform"`).
+
+    Returns:
+      `backend`.
+
+    Raises:
+      ValueError: any other backend (the message names it and the known ones).
+
+    Examples:
+      >>> check_backend("gpu")
+      'gpu'
+      >>> check_backend("npu")
+      Traceback (most recent call last):
+      ...
+      ValueError: backend='npu' has no cost constants: the known backends are ...
+    """
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        where = f" ({source})" if source else ""
+        raise ValueError(
+            f"backend={backend!r}{where} has no cost constants: the known backends are "
+            f"{KNOWN_BACKENDS}; pass backend= one of them, the platform whose constants to "
+            "plan with"
+        )
+    return backend
+
 
 def modelled_seconds(
     constants: CostConstants,
@@ -162,7 +198,7 @@ def save_constants(constants: CostConstants, path: Path | None = None) -> Path:
 
 
 def _load(backend: str) -> CostConstants:
-    default = BACKENDS.get(backend, BACKENDS["cpu"])  # e.g. "cpu-native"
+    default = BACKENDS[check_backend(backend)]
     path = calibration_path()
     if path is None or not path.exists():
         return default
@@ -185,7 +221,11 @@ class _Cached:
     def __call__(self, backend: str = "cpu", impl: str = "xla") -> CostConstants:
         """The constants for `backend` and its kernels (`impl`: `"xla"` or `"native"`): a
         calibration file's when there is one, else the defaults. `"native-dedup"`: XLA's
-        kernels with the native sort (an update over a split hidden axis)."""
+        kernels with the native sort (an update over a split hidden axis).
+
+        Raises:
+          ValueError: a backend without constants (not `"cpu"`, `"gpu"` or `"tpu"`).
+        """
         if impl == "native-dedup":
             xla, native = self(backend, "xla"), self(backend, "native")
             return dataclasses.replace(xla, sort_ids_per_s=native.sort_ids_per_s)

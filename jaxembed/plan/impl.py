@@ -1,23 +1,44 @@
 """Which shard-local kernels a plan runs: XLA's, or jaxembed's native CPU kernels.
 
 `impl="auto"` picks the native kernels (`jaxembed.kernels.native`: C++ through `jax.ffi`) on
-CPU when they are available, and XLA everywhere else; `"native"` insists (an error where they
-cannot run); `"xla"` never uses them. The collectives are the same either way: only the
+CPU when they are available and take the table's dtype (float32, bfloat16), and XLA
+everywhere else (float16 and float64 tables, GPU, TPU); `"native"` insists (an error where
+they cannot run); `"xla"` never uses them. The collectives are the same either way: only the
 gather, pooling, dedup and update loops change.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
 
 __all__ = ["IMPLS", "resolve_impl"]
 
 IMPLS = ("auto", "xla", "native")
 
 
-def resolve_impl(impl: str, backend: str) -> str:
-    """`"xla"` or `"native"` for a requested `impl` on `backend`.
+def resolve_impl(impl: str, backend: str, dtype: Any) -> str:
+    """`"xla"` or `"native"` for a requested `impl` on `backend`, for a table of `dtype`.
+
+    Args:
+      impl: `"auto"`, `"xla"` or `"native"`.
+      backend: the plan's platform (`"cpu"`, `"gpu"`, `"tpu"`).
+      dtype: the table's element type: the native kernels take float32 and bfloat16 only.
+
+    Returns:
+      The kernels that run, as the plan reports them.
 
     Raises:
-      ValueError: an unknown impl, or `"native"` off CPU or where the kernels cannot be built.
+      ValueError: an unknown impl, or `"native"` off CPU, for a table dtype the native kernels
+        do not take, or where they cannot be built.
+
+    Examples:
+      >>> import numpy as np
+      >>> resolve_impl("auto", "cpu", np.float16)  # float16 tables: XLA's kernels
+      'xla'
+      >>> resolve_impl("auto", "gpu", np.float32)
+      'xla'
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -30,11 +51,24 @@ def resolve_impl(impl: str, backend: str) -> str:
                 "or 'auto'"
             )
         return "xla"
-    # The one place below the kernels that looks at them: whether the library can load (it is
-    # compiled on the first call, then cached; see jaxembed.kernels.native.build).
-    from jaxembed.kernels.native import build
+    # The one place below the kernels that looks at them: which dtypes they take, and whether
+    # the library can load (it is compiled on the first call, then cached; see
+    # jaxembed.kernels.native.build).
+    from jaxembed.kernels import native
 
-    why = build.ensure()
+    if not native.supports_dtype(dtype):
+        if impl == "native":
+            try:
+                name = np.dtype(dtype).name
+            except TypeError:
+                name = repr(dtype)
+            raise ValueError(
+                f"impl='native' takes {' or '.join(native.TABLE_DTYPES)} tables, this table is "
+                f"{name}: use impl='xla' or 'auto' (both run XLA's kernels for {name}), or "
+                "cast the table to float32"
+            )
+        return "xla"
+    why = native.why_unavailable()
     if why is not None:
         if impl == "native":
             raise ValueError(f"impl='native' but the native kernels are unavailable: {why}")

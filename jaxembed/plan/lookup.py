@@ -126,8 +126,8 @@ def plan_embedding(
         step; default μ + 4√μ + 1 for the uniform expectation μ = M / n.
       capacity_factor: C over μ instead, when `capacity` is None.
       impl: the shard-local kernels: `"xla"`, `"native"` (the C++ kernels of
-        `jaxembed.kernels.native`, CPU only) or `"auto"` (native on CPU when they are
-        available, else XLA).
+        `jaxembed.kernels.native`, CPU only, float32 and bfloat16 tables) or `"auto"`
+        (native on CPU when they are available and take `dtype`, else XLA).
       optimizer_slots: for an update plan, whether each of the optimizer's state slots is
         one float per row (True) or per element (False), for `memory.state_bytes` and
         `memory.update_buffers` (`RowSparseOptimizer.plan` passes them).
@@ -281,7 +281,7 @@ def _plan(mesh, x_shape, weight_shape, *, x_spec, weight_spec, out_spec, padding
         bool(update),
         capacity,
         capacity_factor,
-        resolve_impl(impl, backend or backend_of(mesh)),
+        resolve_impl(impl, backend or backend_of(mesh), dtype),
         tuple(bool(x) for x in optimizer_slots),
     )
 

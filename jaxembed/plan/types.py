@@ -321,6 +321,11 @@ class EmbeddingPlan:
         return (*self.x_shape[:-1], self.bag.num_bags)
 
     @property
+    def out_shape(self) -> tuple[int, ...]:
+        """The output's global shape, `[*out_batch_shape, H]`."""
+        return (*self.out_batch_shape, self.weight_shape[1])
+
+    @property
     def needs_out_reshard(self) -> bool:
         return bool(self.out_moves)
 

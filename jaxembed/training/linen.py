@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxembed import tape as tape_mod
+from jaxembed.kernels.update import after
 from jaxembed.training.nnx import Grads
 
 __all__ = ["Grads", "dense_mask", "init_sparse", "sparse_update", "value_and_grad"]
@@ -71,6 +72,7 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
         (loss, (aux, operands)), (dense, out_grads) = jax.value_and_grad(
             loss_with_taps, argnums=(0, 1), has_aux=True
         )(params, taps)
+        out_grads = after(out_grads, loss)  # the tables' update waits for the loss (see nnx)
         grads = Grads(dense, list(operands), list(out_grads), tuple(tape.records))
         return ((loss, aux) if has_aux else loss), grads
 
@@ -168,13 +170,28 @@ def sparse_update(optimizer: Any, states: dict, params: Any, grads: Grads) -> tu
       states: from `init_sparse` (or the last step).
       params: the params (boxed or not).
       grads: what `value_and_grad` returned.
+
+    Returns:
+      `(params, states)`, updated.
+
+    Raises:
+      ValueError: `states` has no state for a lookup's module (states of another loss or
+        model), or a collection's states or gradients do not fit it
+        (`jaxembed.collection.checks`).
     """
+    from jaxembed.collection.checks import check_out_grads, check_states
     from jaxembed.collection.lookup import collection_update
 
     states = dict(states)
     for record, operands, out_grad in zip(
         grads.records, grads.operands, grads.out_grads, strict=True
     ):
+        if record.key not in states:
+            raise ValueError(
+                f"sparse_update: no optimizer state for the {record.kind} lookup at "
+                f"{record.key or '(the top module)'!r} (the states are of {sorted(states)}): "
+                "pass init_sparse(optimizer, loss_fn, params, batch)'s states for this loss"
+            )
         tables = _tables(record, params)
         if record.kind == "embed":
             table, states[record.key] = optimizer.update(
@@ -184,6 +201,8 @@ def sparse_update(optimizer: Any, states: dict, params: Any, grads: Grads) -> tu
             continue
         static = record.static
         layout = static["layout"]
+        check_states(layout, optimizer, states[record.key], what="sparse_update")
+        check_out_grads(layout, operands, out_grad, what="sparse_update")
         new, states[record.key] = collection_update(
             layout, optimizer, tables, states[record.key], operands, out_grad,
             mesh=static["mesh"], x_spec=static["x_spec"], exchange=static["exchange"],

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxembed import tape as tape_mod
+from jaxembed.kernels.update import after
 from jaxembed.nnx import Table
 
 __all__ = ["DENSE", "Grads", "SparseOptimizer", "value_and_grad"]
@@ -110,6 +111,9 @@ def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable
             loss_with_taps, argnums=(nnx.DiffState(0, DENSE), 1), has_aux=True
         )
         (loss, (aux, operands)), (dense, out_grads) = grad_fn(model, taps)
+        # The tables' in-place update waits for the loss (so for every lookup): else, with
+        # out_grads independent of the forward (a linear loss), XLA copies each table.
+        out_grads = after(out_grads, loss)
         grads = Grads(dense, list(operands), list(out_grads), tuple(tape.records))
         return ((loss, aux) if has_aux else loss), grads
 
@@ -147,6 +151,10 @@ class SparseOptimizer(nnx.Pytree):
         Args:
           model: the model (the same one `value_and_grad` differentiated).
           grads: what `value_and_grad` returned.
+
+        Raises:
+          ValueError: a lookup of a module this optimizer holds no state for (it was built
+            from another model), or a collection's gradients that do not fit it.
         """
         from jaxembed.collection.nnx import EmbeddingBagCollection
 
@@ -157,7 +165,11 @@ class SparseOptimizer(nnx.Pytree):
         ):
             module = _module_at(model, record.key)
             if record.key not in states:
-                raise KeyError(f"no optimizer state for the table at {record.key!r}")
+                raise ValueError(
+                    f"SparseOptimizer.update: no optimizer state for the table at "
+                    f"{record.key!r} (it holds states of {sorted(states)}): build the "
+                    "SparseOptimizer from this model, SparseOptimizer(model, optimizer)"
+                )
             if isinstance(module, EmbeddingBagCollection):
                 states[record.key] = module.apply_gradients(
                     opt, states[record.key], operands, out_grad

@@ -22,6 +22,11 @@ compiler, or with `JAXEMBED_NATIVE=0`, `available()` is False, `why_unavailable(
 one `NativeKernelsUnavailable` warning is raised per process; calling a kernel then raises
 RuntimeError.
 
+Element types: tables of `TABLE_DTYPES` (float32, bfloat16), read and written in their own
+type; gradients of another float type are taken as float32, as the XLA twins take them. A plan
+runs these kernels only for such tables (`supports_dtype`; `impl="auto"` runs XLA's kernels for
+float16 or float64 tables).
+
 Threads: each kernel call runs on `num_threads()` threads, `JAXEMBED_NUM_THREADS` if set,
 else `max(1, os.cpu_count() // jax.local_device_count())`: simulated CPU devices run their
 kernels concurrently, so 8 devices on 2 cores get 1 thread each. The value is read when a
@@ -48,6 +53,7 @@ from jaxembed.kernels.native import build
 from jaxembed.kernels.native.build import NativeKernelsUnavailable
 
 __all__ = [
+    "TABLE_DTYPES",
     "NativeKernelsUnavailable",
     "apply_rows",
     "available",
@@ -59,10 +65,28 @@ __all__ = [
     "pool_max",
     "pool_sum",
     "scatter_add",
+    "supports_dtype",
     "why_unavailable",
     "xla_bag_apply_rows",
     "xla_bag_scatter_add",
 ]
+
+
+TABLE_DTYPES = ("float32", "bfloat16")  # what embedding_kernels.cc's IsTableType accepts
+
+
+def supports_dtype(dtype: Any) -> bool:
+    """Whether the native kernels take tables of `dtype` (float32 and bfloat16 only).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> [supports_dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16)]
+      [True, True, False]
+    """
+    try:
+        return np.dtype(dtype).name in TABLE_DTYPES
+    except TypeError:
+        return False
 
 
 def available() -> bool:
@@ -104,11 +128,21 @@ def _require(kernel: str) -> np.int64:
 
 
 def _table(kernel: str, name: str, table: Any) -> None:
-    if table.ndim != 2 or table.dtype not in (jnp.float32, jnp.bfloat16):
+    if table.ndim != 2 or not supports_dtype(table.dtype):
         raise TypeError(
             f"{kernel}: {name} must be a 2-D float32 or bfloat16 array [rows, H], got "
-            f"{table.dtype}{list(table.shape)}"
+            f"{table.dtype}{list(table.shape)}; for other dtypes use the XLA twin in "
+            "jaxembed.kernels.local (a plan with impl='auto' or 'xla' does)"
         )
+
+
+def _grads(kernel: str, name: str, grads: Any) -> Any:
+    """`grads` as the kernels read them: float32 or bfloat16 as given, another float type
+    (float16, float64) as float32, as the XLA twins compute with it."""
+    if not supports_dtype(grads.dtype) and jnp.issubdtype(grads.dtype, jnp.floating):
+        grads = grads.astype(jnp.float32)
+    _table(kernel, name, grads)
+    return grads
 
 
 def _slots(kernel: str, local: Any, valid: Any, *others: tuple[str, Any]):
@@ -235,8 +269,7 @@ def scatter_add(
             f"scatter_add: grads has shape {grads.shape}, expected {(*local.shape, hidden)} "
             "(the slots' shape, then the shard's H)"
         )
-    grads = grads.reshape(-1, hidden)
-    _table("scatter_add", "grads", grads)
+    grads = _grads("scatter_add", "grads", grads.reshape(-1, hidden))
     out = jax.ShapeDtypeStruct((rows, hidden), jnp.float32)
     return _call("jaxembed_scatter_add", out, flat_local, flat_valid, grads, num_threads=threads)
 
@@ -264,7 +297,7 @@ def bag_scatter_add(
     """
     threads = _require("bag_scatter_add")
     rows, hidden = (int(d) for d in shape)
-    _table("bag_scatter_add", "out_grad", out_grad)
+    out_grad = _grads("bag_scatter_add", "out_grad", out_grad)
     args = _slots("bag_scatter_add", local, valid, ("segments", segments), ("scale", scale))
     args[2], args[3] = args[2].astype(jnp.int32), args[3].astype(jnp.float32)
     if out_grad.shape[1] != hidden:
@@ -428,7 +461,7 @@ def apply_rows(
             f"apply_rows: grads has shape {grads.shape}, expected "
             f"{(flat_local.shape[0], table.shape[1])} ([M, H])"
         )
-    _table("apply_rows", "grads", grads)
+    grads = _grads("apply_rows", "grads", grads)
     slot_args = (flat_local, flat_valid, grads)
     return _update("jaxembed_apply_rows", formula, table, slots, count, slot_args, hidden_size)
 
@@ -468,7 +501,7 @@ def bag_apply_rows(
     _check_update("bag_apply_rows", formula, table, slots, hidden_size, hidden_axes)
     args = _slots("bag_apply_rows", local, valid, ("segments", segments), ("scale", scale))
     args[2], args[3] = args[2].astype(jnp.int32), args[3].astype(jnp.float32)
-    _table("bag_apply_rows", "out_grad", out_grad)
+    out_grad = _grads("bag_apply_rows", "out_grad", out_grad)
     if out_grad.shape[1] != table.shape[1]:
         raise ValueError(
             f"bag_apply_rows: out_grad {out_grad.shape} must have the table's H={table.shape[1]}"

@@ -12,6 +12,12 @@ overrides the root), the hash covering the sources, the flags, the compiler's ve
 processes (a test run and a 2-process launch), so each cache key is compiled once; the
 library is written to a temporary name and renamed into place.
 
+A cached library is loaded only once it is verified: beside it the build writes a record
+(`libjaxembed_native.json`: its sha256 and size, written atomically after the library), and
+before `ctypes.CDLL` maps it the size and the hash are checked against that record. A library
+that does not match (truncated, torn, empty, overwritten) or has no record is deleted and
+rebuilt under the lock: mapping a truncated library would kill the process with SIGBUS.
+
 `JAXEMBED_NATIVE_SANITIZE=address` builds an AddressSanitizer variant under its own key
 (python is not instrumented: run it with `LD_PRELOAD=$(c++ -print-file-name=libasan.so)` and
 `ASAN_OPTIONS=detect_leaks=0`).
@@ -26,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import json
 import os
 import platform
 import shutil
@@ -36,10 +43,21 @@ import time
 import warnings
 from pathlib import Path
 
-__all__ = ["TARGETS", "NativeKernelsUnavailable", "cache_dir", "compile_flags", "ensure", "load"]
+__all__ = [
+    "TARGETS",
+    "NativeKernelsUnavailable",
+    "cache_dir",
+    "compile_flags",
+    "ensure",
+    "load",
+    "rebuild_reason",
+    "record_path",
+    "verify",
+]
 
 SOURCE_DIR = Path(__file__).resolve().parent
 LIBRARY_NAME = "libjaxembed_native.so"
+RECORD_NAME = "libjaxembed_native.json"  # the library's sha256 and size, from its build
 
 TARGETS = {
     # FFI target name -> exported handler symbol in embedding_kernels.cc
@@ -129,8 +147,11 @@ def _cache_key(cxx: str, include_dir: str, flags: list[str]) -> str:
 
 
 def _compile(cxx: str, include_dir: str, flags: list[str], target: Path) -> str | None:
-    """Compiles into `target` (atomically); returns None, or why it failed."""
+    """Compiles into `target` and records its hash (both atomically); None, or why it failed."""
     main = SOURCE_DIR / "embedding_kernels.cc"
+    for pattern in (".build-*", ".record-*"):  # a killed build's (we hold the key's lock)
+        for stale in target.parent.glob(pattern):
+            stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)
     cmd = [cxx, *flags, "-isystem", include_dir, f"-I{SOURCE_DIR}", str(main), "-o", tmp]
@@ -139,14 +160,76 @@ def _compile(cxx: str, include_dir: str, flags: list[str], target: Path) -> str 
     except (OSError, subprocess.SubprocessError) as e:
         Path(tmp).unlink(missing_ok=True)
         return f"running {cxx} failed: {e}"
-    if run.returncode != 0:
+    if run.returncode != 0 or os.path.getsize(tmp) == 0:
         Path(tmp).unlink(missing_ok=True)
         log = target.parent / "build.log"
         log.write_text(" ".join(cmd) + "\n\n" + run.stdout + run.stderr)
+        if run.returncode == 0:
+            return f"{cxx} exited with 0 but wrote an empty library (full log: {log})"
         tail = (run.stderr or run.stdout).strip().splitlines()[-5:]
         return f"{cxx} exited with {run.returncode} (full log: {log}): " + " | ".join(tail)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())  # on disk before it is named: a crash must not leave a 0-byte .so
+    digest, size = _digest(Path(tmp))
     os.chmod(tmp, 0o755)  # mkstemp made it private; a shared JAXEMBED_NATIVE_CACHE needs reads
     os.replace(tmp, target)
+    _write_record(target, digest, size)  # after the library: a crash between leaves no record
+    return None
+
+
+def record_path(library: Path) -> Path:
+    """The build record beside `library`: `{"library", "sha256", "size_bytes"}` as JSON."""
+    return library.with_name(RECORD_NAME)
+
+
+def _digest(path: Path) -> tuple[str, int]:
+    """The sha256 (hex) and the size in bytes of the file at `path`."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+            size += len(chunk)
+    return h.hexdigest(), size
+
+
+def _write_record(library: Path, digest: str, size: int) -> None:
+    record = {"library": library.name, "sha256": digest, "size_bytes": size}
+    fd, tmp = tempfile.mkstemp(prefix=".record-", suffix=".json", dir=library.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, record_path(library))
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def verify(library: Path) -> str | None:
+    """None when `library` has the size and sha256 its build recorded, else why not.
+
+    Reads the whole file (about 1 MB, a few ms); never maps it.
+    """
+    record_file = record_path(library)
+    if not library.exists():
+        return "no library is cached yet"
+    try:
+        record = json.loads(record_file.read_text())
+    except FileNotFoundError:
+        return f"it has no build record ({record_file.name} is missing)"
+    except (OSError, ValueError) as e:
+        return f"its build record {record_file.name} is unreadable ({e})"
+    want_hash = record.get("sha256") if isinstance(record, dict) else None
+    want_size = record.get("size_bytes") if isinstance(record, dict) else None
+    if not isinstance(want_hash, str) or type(want_size) is not int:
+        return f"its build record {record_file.name} is malformed: {record!r:.80}"
+    digest, size = _digest(library)
+    if size != want_size:
+        return f"it is {size} bytes but was built with {want_size} (truncated or torn)"
+    if digest != want_hash:
+        return f"its sha256 {digest[:16]}... is not the build's {want_hash[:16]}... (overwritten)"
     return None
 
 
@@ -167,7 +250,10 @@ def _file_lock(path: Path):
 
 
 def load() -> tuple[ctypes.CDLL | None, str | None, Path | None]:
-    """Builds (once per cache key, under a file lock) and loads the library.
+    """Builds (once per cache key, under a file lock), verifies and loads the library.
+
+    A cached library that fails `verify` (no build record, another size or sha256) is deleted
+    and rebuilt before anything maps it.
 
     Returns:
       `(library, None, path)` on success, `(None, reason, path_or_None)` otherwise.
@@ -184,24 +270,36 @@ def load() -> tuple[ctypes.CDLL | None, str | None, Path | None]:
     except Exception as e:
         return None, f"jax.ffi.include_dir() failed: {e}", None
     flags = compile_flags()
+    library = None
     try:
         key_dir = cache_dir() / _cache_key(cxx, include_dir, flags)
         key_dir.mkdir(parents=True, exist_ok=True)
         library = key_dir / LIBRARY_NAME
+        # Verified and mapped under the lock: no other process replaces it in between.
         with _file_lock(key_dir.parent / f"{key_dir.name}.lock"):
-            if not library.exists():
+            unverified = verify(library)
+            if unverified is not None:
+                _STATE["rebuild_reason"] = unverified
+                cached = library.exists()
+                library.unlink(missing_ok=True)  # never mapped: a truncated one would SIGBUS
+                record_path(library).unlink(missing_ok=True)
                 error = _compile(cxx, include_dir, flags, library)
+                if error and cached:
+                    error = f"the cached {library} was deleted ({unverified}); rebuilding: {error}"
                 if error:
                     return None, error, library
+                unverified = verify(library)
+                if unverified is not None:  # pragma: no cover - only if the cache changes under us
+                    return None, f"{library}, just built, does not verify: {unverified}", library
+            try:
+                return ctypes.CDLL(str(library)), None, library
+            except OSError as e:
+                hint = ""
+                if sanitizer():
+                    hint = " (an ASan build needs LD_PRELOAD=$(c++ -print-file-name=libasan.so))"
+                return None, f"loading {library} failed: {e}{hint}", library
     except OSError as e:
-        return None, f"cannot write the kernel cache ({e}): set JAXEMBED_NATIVE_CACHE", None
-    try:
-        return ctypes.CDLL(str(library)), None, library
-    except OSError as e:
-        hint = ""
-        if sanitizer():
-            hint = " (an ASan build needs LD_PRELOAD=$(c++ -print-file-name=libasan.so))"
-        return None, f"loading {library} failed: {e}{hint}", library
+        return None, f"cannot write the kernel cache ({e}): set JAXEMBED_NATIVE_CACHE", library
 
 
 class NativeKernelsUnavailable(RuntimeWarning):
@@ -209,7 +307,14 @@ class NativeKernelsUnavailable(RuntimeWarning):
 
 
 _LOCK = threading.Lock()
-_STATE: dict = {"done": False, "why": None, "library": None, "path": None, "build_s": None}
+_STATE: dict = {
+    "done": False,
+    "why": None,
+    "library": None,
+    "path": None,
+    "build_s": None,
+    "rebuild_reason": None,
+}
 
 
 def ensure() -> str | None:
@@ -262,3 +367,9 @@ def library_path() -> Path | None:
 def build_seconds() -> float | None:
     """How long `ensure()` took in this process (compile or cache hit, load, register)."""
     return _STATE["build_s"]
+
+
+def rebuild_reason() -> str | None:
+    """Why this process compiled the library (none cached yet, or the cached one failed
+    `verify`), after `ensure()`; None when the cached library verified and was loaded."""
+    return _STATE["rebuild_reason"]
