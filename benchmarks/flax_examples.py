@@ -1,4 +1,4 @@
-"""Flax's lm1b examples with Flax's `Embed` and with jaxembed's: collectives and memory (issue 10).
+"""Flax's lm1b examples with Flax's `Embed` and with jaxembed's: collectives and memory.
 
 Compiles (does not run) one training step of the lm1b-style LMs of `tests/lm_models.py` at
 the examples' configuration (vocab 30000, emb 512, 8 heads, 6 layers, MLP 2048, sequences

@@ -1,6 +1,6 @@
 """The native CPU kernels against their XLA twins on workload-a sized inputs, side by side.
 
-Workload a (`jaxembed.bench.workloads.workload_a`): 8 tables of 1e6 .. 100 rows x 64 float32,
+Workload a (`jaxembed.workloads.workload_a`): 8 tables of 1e6 .. 100 rows x 64 float32,
 stacked into one table of 1.76M rows (451 MB), batch 4096, one feature per table, bags of 1-20
 Zipf(1.1) ids (hot ids are the low ids): ~345k ids a step over 4096 x 8 = 32768 bags, sum
 pooling, row-wise Adagrad. The ids are generated here with numpy, slots in feature-major,
@@ -26,7 +26,7 @@ With `--devices 8` the process gets 8 simulated CPU devices and each kernel runs
 contiguous blocks, each block's ids folded into its shard's rows (id mod 220k): the kernels of
 8 devices run concurrently on the machine's cores, one thread each.
 
-    python benchmarks/native_kernels.py [--devices 8] [--repeats 7] [--batch 4096] [--json PATH]
+    python -m benchmarks.native_kernels [--devices 8] [--repeats 7] [--batch 4096] [--json PATH]
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 
 def _args():
@@ -60,6 +59,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from benchmarks.common.timing import TimingPolicy, time_interleaved  # noqa: E402
 from jaxembed.kernels import local as local_ops  # noqa: E402
 from jaxembed.kernels import native, sparse  # noqa: E402
 from jaxembed.optim import formulas  # noqa: E402
@@ -85,26 +85,20 @@ def workload(batch: int, seed: int = 0):
 
 
 def timed(fns: dict, repeats: int, warmup: int = 2) -> dict:
-    """Interleaved: each repeat calls every variant once. fn() returns something to block on."""
-    times = {k: [] for k in fns}
-    cpu = {k: [] for k in fns}
-    for _ in range(warmup):
-        for fn in fns.values():
-            jax.block_until_ready(fn())
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            start, start_cpu = time.perf_counter(), time.process_time()
-            jax.block_until_ready(fn())
-            times[k].append(1e3 * (time.perf_counter() - start))
-            cpu[k].append(1e3 * (time.process_time() - start_cpu))
-    return {
-        k: {
-            "median_ms": float(np.median(t)),
-            "p90_ms": float(np.percentile(t, 90)),
-            "median_cpu_ms": float(np.median(cpu[k])),
+    """Interleaved (`benchmarks.common.timing`): each round calls every variant once, in a
+    rotated order. fn() returns something to block on."""
+    policy = TimingPolicy(repeats=repeats, warmup=warmup, settle=0, min_samples=repeats,
+                          max_seconds=float("inf"))  # fmt: skip
+    runners = {k: {"call": lambda fn=fn: jax.block_until_ready(fn())} for k, fn in fns.items()}
+    out = {}
+    for k, samples in time_interleaved(runners, policy).items():
+        wall, cpu = samples["call"]
+        out[k] = {
+            "median_ms": 1e3 * float(np.median(wall)),
+            "p90_ms": 1e3 * float(np.percentile(wall, 90)),
+            "median_cpu_ms": 1e3 * float(np.median(cpu)),
         }
-        for k, t in times.items()
-    }
+    return out
 
 
 def main(args) -> dict:
@@ -213,7 +207,7 @@ def main(args) -> dict:
     if "bag_scatter_add" in want:
 
         def scatter(impl):
-            f = native.bag_scatter_add if impl == "native" else native.xla_bag_scatter_add
+            f = native.bag_scatter_add if impl == "native" else local_ops.bag_scatter_add
             shape = (shard_rows, HIDDEN)
             return (lambda lo, v, s, c, g: f(shape, lo, v, s, c, g)), (d,) * 5, d
 
@@ -221,7 +215,7 @@ def main(args) -> dict:
     if "bag_apply_rows" in want:
 
         def update(impl):
-            f = native.bag_apply_rows if impl == "native" else native.xla_bag_apply_rows
+            f = native.bag_apply_rows if impl == "native" else sparse.bag_apply_rows
 
             def body(t, a, lo, v, s, c, g):
                 new, (new_a,) = f(FORMULA, t, (a,), 0, lo, v, s, c, g, hidden_size=HIDDEN)

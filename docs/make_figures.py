@@ -138,7 +138,7 @@ def overflow_share(s: float, row_sharding: str, capacity: int, *, samples: int =
     device's bucket holds more than `capacity` distinct ids."""
     import numpy as np
 
-    from jaxembed.bench.workloads import zipf_ids
+    from jaxembed.workloads import zipf_ids
 
     rng = np.random.default_rng(0)
     rows, n, per = 1 << 20, 8, 64 * 128 // 8

@@ -1,7 +1,7 @@
 """The click stream of `examples/train_dlrm.py`: a generative model whose best loss is known.
 
 Every example has 13 dense features and 26 sparse ones, bags of 1 to `max_ids` ids over
-Criteo-like tables (`jaxembed.bench.workloads.dlrm_workload`: 20 tables, several features
+Criteo-like tables (`jaxembed.workloads.dlrm_workload`: 20 tables, several features
 sharing one), each id Zipf(1.3) over its table's rows (id = rank - 1: the hot ids are the
 low ones). The click is drawn from
 
@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxembed.bench.workloads import dlrm_workload, zipf_ids
+from jaxembed.workloads import dlrm_workload, zipf_ids
 
 __all__ = ["NUM_DENSE", "PAIRS", "Batch", "ClickModel", "auc", "log_loss"]
 

@@ -1,13 +1,17 @@
 """jaxembed: sharded embedding lookups for JAX.
 
-The layers, each importing only those above it in this list:
+The floors, each importing only those above it in this list (checked by `lint-imports`
+against `pyproject.toml`'s contracts):
 
-* `jaxembed.layout` — dims mappings and partial dims <-> `PartitionSpec`;
+* base — `jaxembed.layout`, `ids`, `ragged`, `rowsharding`, `tape`, `collection` (configs and
+  stack layouts), `_native` (the C++ sources and their build), `workloads`;
 * `jaxembed.rules` — the sharding rules (pure Python, no jax needed);
 * `jaxembed.plan` — what runs where, with every collective and its bytes;
-* `jaxembed.ops` — `embedding(...)`: the `shard_map` kernels that execute a plan;
-* `jaxembed.nnx`, `jaxembed.flax`, `jaxembed.losses` — Flax NNX and Linen `Embed`, and the
-  vocab-parallel cross-entropy for tied output heads.
+* `jaxembed.kernels` — the `shard_map` bodies that execute a plan;
+* `jaxembed.optim` — row-sparse optimizers;
+* `jaxembed.nn` and `jaxembed.training` — Flax NNX and Linen modules, training helpers;
+* faces — `jaxembed.nnx`, `jaxembed.flax`, `jaxembed.losses`: re-exports only;
+* tools — `jaxembed.cli`, `demo`, `launch`, `calibrate`, `hlo`.
 
 `import jaxembed.rules` never imports jax; the jax-facing names below are loaded on first use.
 """

@@ -1,7 +1,8 @@
 """The `jaxembed` command: `plan`, `demo` and `bench`.
 
 A thin shell: flags are parsed here and handed to the same typed functions a Python user
-calls (`plan_embedding`, `jaxembed.demo.run`, `jaxembed.bench.main`).
+calls (`plan_embedding`, `jaxembed.demo.run`); `bench` runs the checkout's `benchmarks`
+package (`python -m benchmarks`), which is not installed with jaxembed.
 
     jaxembed plan --mesh data=2,model=4 --ids 16x128 --table 65536x128 \\
                   --ids-spec data --table-spec model,None
@@ -12,11 +13,19 @@ calls (`plan_embedding`, `jaxembed.demo.run`, `jaxembed.bench.main`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
+import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["main", "parse_mesh", "parse_shape", "parse_spec"]
+if TYPE_CHECKING:
+    from jaxembed.collection.config import FeatureConfig, TableConfig
+
+__all__ = ["load_tables_json", "main", "parse_mesh", "parse_shape", "parse_spec"]
 
 
 def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -174,9 +183,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     from jaxembed.plan import plan_embedding
 
     if args.tables is not None:
-        from jaxembed.plan.collection_format import run_plan_tables
-
-        return run_plan_tables(args)
+        return _run_plan_tables(args)
     if args.ids is None or args.table is None:
         why = "give --ids and --table (one lookup) or --tables (a collection)"
         print(f"jaxembed plan: error: {why}", file=sys.stderr)
@@ -237,6 +244,137 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- `jaxembed plan --tables`: a collection of tables from TABLES.json ---------------------
+#
+# TABLES.json (see docs/planner.md):
+#
+#     {"tables":   [{"name": "item", "vocab_size": 1000000, "dim": 64},
+#                   {"name": "country", "vocab_size": 200, "dim": 16,
+#                    "placement": "replicated"}],
+#      "features": [{"name": "clicked", "table": "item", "combiner": "mean", "max_ids": 50},
+#                   {"name": "country", "table": "country"}]}
+#
+# Table keys are `TableConfig`'s (`placement` defaults to `"auto"`; `dtype` a name such as
+# `"bfloat16"`), feature keys `FeatureConfig`'s; without `"features"`, each table gets one
+# single-id feature of its own name.
+
+
+def _allowed_keys(cls: type) -> set[str]:
+    """The keys an entry of a config may have: its fields (a table's initializer apart)."""
+    return {f.name for f in dataclasses.fields(cls)} - {"initializer"}
+
+
+def _required(cls: type) -> list[str]:
+    """The fields of a config without a default (in order): the keys every entry needs."""
+    return [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+
+
+def _keys_text(cls: type, allowed: set[str]) -> str:
+    required = _required(cls)
+    optional = [f.name for f in dataclasses.fields(cls) if f.name in allowed - set(required)]
+    return f"an entry takes {required} and optionally {optional}"
+
+
+def _entries(data: Any, key: str, cls: type, path: str) -> list[dict]:
+    allowed = _allowed_keys(cls)
+    items = data.get(key)
+    if not isinstance(items, list) or not all(isinstance(x, dict) for x in items):
+        raise ValueError(f"{path}: {key!r} must be a list of objects, got {items!r}")
+    for i, x in enumerate(items):
+        entry = f"{key}[{i}]" + (f" ({x['name']!r})" if "name" in x else "")
+        extra = sorted(set(x) - allowed)
+        if extra:
+            close = {k: difflib.get_close_matches(k, sorted(allowed), n=1) for k in extra}
+            hints = [f"{k!r} -> {m[0]!r}" for k, m in close.items() if m]
+            raise ValueError(
+                f"{path}: {entry} has unknown keys {extra}: {_keys_text(cls, allowed)}"
+                + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+            )
+        missing = [k for k in _required(cls) if k not in x]
+        if missing:
+            raise ValueError(
+                f"{path}: {entry} is missing the key{'s' if len(missing) > 1 else ''} "
+                f"{missing}: {_keys_text(cls, allowed)}, e.g. {_EXAMPLES[key]}"
+            )
+    return items
+
+
+_EXAMPLES = {
+    "tables": '{"name": "item", "vocab_size": 1000000, "dim": 64}',
+    "features": '{"name": "clicked", "table": "item", "combiner": "mean", "max_ids": 50}',
+}
+
+
+def _build(cls: type, x: dict, key: str, i: int, path: str) -> Any:
+    """`cls(**x)`, its errors prefixed with the file and the entry (same exception type)."""
+    try:
+        return cls(**x)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{path}: {key}[{i}] ({x['name']!r}): {e}") from None
+
+
+def load_tables_json(path: str | Path) -> tuple[list[TableConfig], list[FeatureConfig]]:
+    """Reads a TABLES.json: `{"tables": [...], "features": [...]}` (the format above).
+
+    Raises:
+      ValueError: unreadable JSON, an entry with unknown keys or without a required one
+        (tables need `name`, `vocab_size` and `dim`; features `name` and `table`), or a
+        value `TableConfig` or `FeatureConfig` rejects with a ValueError; every message
+        names the file and the entry (its index and name).
+      TypeError: a value `TableConfig` or `FeatureConfig` rejects with a TypeError (e.g. a
+        dtype that is not a float dtype), named likewise.
+    """
+    from jaxembed.collection.config import FeatureConfig, TableConfig
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read the tables file {str(path)!r}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected an object with 'tables' and 'features'")
+    path = str(path)
+    tables = [
+        _build(TableConfig, x, "tables", i, path)  # a dtype name: TableConfig reads it
+        for i, x in enumerate(_entries(data, "tables", TableConfig, path))
+    ]
+    if "features" in data:
+        entries = _entries(data, "features", FeatureConfig, path)
+        features = [_build(FeatureConfig, x, "features", i, path) for i, x in enumerate(entries)]
+    else:
+        features = [FeatureConfig(t.name, t.name) for t in tables]
+    return tables, features
+
+
+def _run_plan_tables(args: argparse.Namespace) -> int:
+    """`jaxembed plan --tables ...`: plans the collection and prints it (exit code 0, or 2
+    with the error on stderr)."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    from jaxembed.plan.collection import plan_collection
+
+    names, sizes = args.mesh
+    if args.batch is None or args.memory is None:
+        print("jaxembed plan: error: --tables needs --batch and --memory", file=sys.stderr)
+        return 2
+    mesh = AbstractMesh(sizes, names, axis_types=(AxisType.Explicit,) * len(names))
+    try:
+        tables, features = load_tables_json(args.tables)
+        batch_axes = [a for a in args.batch_axes.split(",") if a] if args.batch_axes else None
+        plan = plan_collection(
+            tables, features, mesh, batch_size=args.batch, memory_per_device=args.memory,
+            batch_axes=batch_axes, backend=args.backend,
+        )  # fmt: skip
+    except (TypeError, ValueError) as e:
+        print(f"jaxembed plan: error: {e}", file=sys.stderr)
+        return 2
+    print(plan)
+    return 0
+
+
 def _ensure_cpu_devices(count: int) -> None:
     """Asks XLA for `count` CPU devices; must run before jax is imported."""
     if "jax" in sys.modules:
@@ -252,8 +390,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     `plan` builds an `AbstractMesh` (no devices needed), calls `plan_embedding` and prints
     the plan; `--host-axes` adds the bytes that cross hosts. `demo` runs
     `jaxembed.demo.run` on `--devices` CPU devices; `bench` hands its arguments to
-    `jaxembed.bench.main`. Both ask XLA for CPU devices (8 by default), which takes
-    effect only when jax is not imported yet.
+    `benchmarks.main` of the checkout beside the package. Both ask XLA for CPU devices (8 by
+    default), which takes effect only when jax is not imported yet.
 
     Args:
       argv: the arguments after the program name (default `sys.argv[1:]`).
@@ -298,10 +436,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         return demo_module.run()
     if args.command == "bench":
         _ensure_cpu_devices(8)
-        from jaxembed import bench as bench_module
+        if "--calibrate" in bench_args and bench_args[0].startswith("-"):  # works installed
+            from jaxembed import calibrate
 
-        return bench_module.main(bench_args)
+            return calibrate.main([a for a in bench_args if a != "--calibrate"])
+        benchmarks = _checkout_benchmarks()
+        return 2 if benchmarks is None else benchmarks.main(bench_args)
     raise AssertionError(args.command)
+
+
+def _checkout_benchmarks():
+    """The `benchmarks` package of the checkout jaxembed runs from (None, said on stderr, when
+    jaxembed is installed without one: the benchmarks are not part of the package)."""
+    import importlib
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isfile(os.path.join(root, "benchmarks", "__init__.py")):
+        print(
+            f"jaxembed bench: error: no benchmarks/ beside the jaxembed package ({root}); the "
+            "benchmarks live in the repository, not in the installed package: clone it, "
+            "`pip install -e .` there, and run `jaxembed bench ...` or `python -m benchmarks ...` "
+            "from its root (`jaxembed bench --calibrate` works anywhere)",
+            file=sys.stderr,
+        )
+        return None
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module("benchmarks")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxembed import hlo
-from jaxembed.ops import embedding
+from jaxembed.kernels.lookup import embedding
 from jaxembed.plan import format_bytes, plan_embedding
 
 __all__ = ["LAYOUTS", "run"]

@@ -1,6 +1,7 @@
-"""Round 1's home of `embedding`; the kernels now live in `jaxembed.kernels`.
+"""Deprecated: the first home of `embedding`; the kernels now live in `jaxembed.kernels`.
 
-Kept so that `from jaxembed.ops import embedding` goes on working.
+A face only, kept so that `from jaxembed.ops import embedding` goes on working: use
+`jaxembed.embedding` (or `jaxembed.kernels.lookup`). Nothing inside the package imports it.
 """
 
 from jaxembed.kernels.arrays import is_explicit as is_explicit

@@ -14,7 +14,10 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxembed.bench import planner, planner_report, planner_worker, recsys_impls
+from benchmarks.planner import bench as planner
+from benchmarks.planner import report as planner_report
+from benchmarks.planner import worker as planner_worker
+from benchmarks.recsys import impls as recsys_impls
 from jaxembed.collection import FeatureConfig, TableConfig
 from jaxembed.plan.collection import parse_bytes, plan_collection
 

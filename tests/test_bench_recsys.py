@@ -11,9 +11,13 @@ import sys
 import numpy as np
 import pytest
 
-from jaxembed.bench import recsys, recsys_check, recsys_impls
-from jaxembed.bench import workloads as W
-from jaxembed.bench.recsys_worker import WorkerConfig, run_worker
+from benchmarks.common.reference import reference_steps
+from benchmarks.recsys import bench as recsys
+from benchmarks.recsys import check as recsys_check
+from benchmarks.recsys import impls as recsys_impls
+from benchmarks.recsys.files import save_inputs
+from benchmarks.recsys.worker import WorkerConfig, run_worker
+from jaxembed import workloads as W
 
 TIME_KEYS = ("step_time_median_in_ms", "step_time_p90_in_ms", "step_time_cpu_median_in_ms",
              "forward_time_median_in_ms", "forward_time_p90_in_ms")  # fmt: skip
@@ -102,7 +106,7 @@ def test_the_check_catches_a_wrong_row_and_a_moved_untouched_row():
     batches, cot = [W.make_batch(w, 0, 0)], W.make_cotangent(w, 0)
     expected = recsys_check.touched_reference(w, tables, batches, cot, optimizer="rowwise_adagrad")
     untouched = recsys_check.untouched_sample(w, expected, tables, size=8)
-    new, acc = W.reference_steps(w, tables, batches, cot)  # the full float64 reference
+    new, acc = reference_steps(w, tables, batches, cot)  # the full float64 reference
     state = {"t": {k: v.astype(np.float32) for k, v in new.items()}, "a": acc}
 
     def read(table, rows):
@@ -125,7 +129,7 @@ def test_the_check_catches_a_wrong_row_and_a_moved_untouched_row():
 def test_runners_are_skipped_cleanly_when_their_framework_is_missing(tmp_path):
     w = recsys.make_workload("a", quick=True)
     inputs = str(tmp_path / "in.npz")
-    W.save_inputs(inputs, w, W.make_tables(w, 0), [W.make_batch(w, 0, 0)], W.make_cotangent(w, 0))
+    save_inputs(inputs, w, W.make_tables(w, 0), [W.make_batch(w, 0, 0)], W.make_cotangent(w, 0))
     config = recsys.QUICK
     missing = recsys.dataclasses.replace(config, torchrec_python=str(tmp_path / "nope"))
     r = recsys._runner(missing, str(tmp_path), "torchrec", inputs)

@@ -1,4 +1,4 @@
-"""`jaxembed.bench.workloads` (the recommender benchmark's inputs and float64 reference) and the
+"""`jaxembed.workloads` (the recommender benchmark's inputs and float64 reference) and the
 TorchRec / keras-rs runners. The runner tests skip where their framework is not installed: run
 them with the framework's Python, e.g. `/work/venvs/torchrec/bin/python -m pytest ...`."""
 
@@ -10,7 +10,10 @@ import sys
 import numpy as np
 import pytest
 
-from jaxembed.bench import workloads as W
+from benchmarks.common.reference import compare_tables, reference_pooled, reference_steps
+from benchmarks.common.timing import summarize_times, time_calls
+from benchmarks.recsys.files import load_inputs, load_tables, save_inputs, save_tables
+from jaxembed import workloads as W
 
 
 def tiny(batch_size=6):
@@ -149,8 +152,8 @@ def test_save_and_load_inputs_round_trip(tmp_path):
     w = tiny()
     tables, cot = W.make_tables(w, 0), W.make_cotangent(w, 0)
     batches = [W.make_batch(w, 0, s) for s in range(3)]
-    W.save_inputs(str(tmp_path / "in.npz"), w, tables, batches, cot, learning_rate=0.1, eps=1e-6)
-    got = W.load_inputs(str(tmp_path / "in.npz"))
+    save_inputs(str(tmp_path / "in.npz"), w, tables, batches, cot, learning_rate=0.1, eps=1e-6)
+    got = load_inputs(str(tmp_path / "in.npz"))
     assert got.workload == w and (got.learning_rate, got.eps) == (0.1, 1e-6)
     assert all(np.array_equal(got.tables[n], tables[n]) for n in tables)
     np.testing.assert_array_equal(got.cotangent, cot)
@@ -163,7 +166,7 @@ def test_save_and_load_inputs_round_trip(tmp_path):
 def test_reference_pooled_sums_each_bag():
     w = tiny()
     tables, batch = W.make_tables(w, 0), W.make_batch(w, 0, 0)
-    got = W.reference_pooled(w, tables, batch)
+    got = reference_pooled(w, tables, batch)
     for i, f in enumerate(w.features):
         values, lengths = batch[f.name]
         starts = np.concatenate([[0], np.cumsum(lengths)])
@@ -177,7 +180,7 @@ def test_reference_steps_matches_the_row_by_row_definition(optimizer):
     w = tiny(batch_size=16)
     tables, cot = W.make_tables(w, 0), W.make_cotangent(w, 0)
     batches = [W.make_batch(w, 0, s) for s in range(3)]
-    got, acc = W.reference_steps(w, tables, batches, cot, 0.05, 1e-8, optimizer=optimizer)
+    got, acc = reference_steps(w, tables, batches, cot, 0.05, 1e-8, optimizer=optimizer)
     want, want_acc = naive_steps(w, tables, batches, cot, 0.05, 1e-8, optimizer)
     for name in tables:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-12, atol=1e-14)
@@ -190,32 +193,32 @@ def test_reference_steps_one_id_in_closed_form():
     tables = {"t": np.zeros((3, 4), np.float32)}
     batch = {"f": (np.array([2], np.int32), np.array([1], np.int32))}
     cot = np.array([[[1.0, -1.0, 2.0, 0.0]]], np.float32)
-    got, acc = W.reference_steps(w, tables, [batch], cot, lr=0.1, eps=0.0)
+    got, acc = reference_steps(w, tables, [batch], cot, lr=0.1, eps=0.0)
     assert acc["t"].tolist() == [0.0, 0.0, 1.5]
     np.testing.assert_allclose(got["t"][2], -0.1 * cot[0, 0] / np.sqrt(1.5))
     with pytest.raises(ValueError, match="must be 'rowwise_adagrad' or 'adagrad', got 'sgd'"):
-        W.reference_steps(w, tables, [batch], cot, optimizer="sgd")
+        reference_steps(w, tables, [batch], cot, optimizer="sgd")
 
 
 def test_save_tables_compare_and_summaries(tmp_path):
     w = tiny()
     tables = W.make_tables(w, 0)
     accs = {t.name: np.arange(t.rows, dtype=np.float32) for t in w.tables}
-    W.save_tables(str(tmp_path / "t.npz"), w, tables, accs)
-    got, got_accs = W.load_tables(str(tmp_path / "t.npz"))
+    save_tables(str(tmp_path / "t.npz"), w, tables, accs)
+    got, got_accs = load_tables(str(tmp_path / "t.npz"))
     exact = {"max_abs_error": 0.0, "max_rel_error": 0.0, "num_over_rtol": 0, "num_entries": 600}
-    assert W.compare_tables(got, tables) == exact
+    assert compare_tables(got, tables) == exact
     off = {**tables, "y": tables["y"] + np.float32(1e-3)}  # 40 entries 2% of lr off
-    assert W.compare_tables(off, tables)["num_over_rtol"] == 40
+    assert compare_tables(off, tables)["num_over_rtol"] == 40
     assert all(np.array_equal(got_accs[n], accs[n]) for n in accs)
     with pytest.raises(ValueError, match=r"table 'x': got shape \(40, 8\), reference \(2, 2\)"):
-        W.compare_tables(got, {"x": np.zeros((2, 2))})
-    summary = W.summarize_times([0.004, 0.001, 0.002, 0.003], [0.001] * 4, "step_time")
+        compare_tables(got, {"x": np.zeros((2, 2))})
+    summary = summarize_times([0.004, 0.001, 0.002, 0.003], [0.001] * 4, "step_time")
     assert summary["step_time_median_in_ms"] == 2.5
     assert summary["step_time_samples_in_ms"] == [4.0, 1.0, 2.0, 3.0]
     assert summary["step_time_cpu_median_in_ms"] == 1.0
     calls = []
-    wall, cpu = W.time_calls(calls.append, 3)
+    wall, cpu = time_calls(calls.append, 3)
     assert calls == [0, 1, 2] and len(wall) == len(cpu) == 3
 
 
@@ -229,18 +232,18 @@ def inputs(tmp_path_factory):
     w = tiny(batch_size=32)
     tables, cot = W.make_tables(w, 0), W.make_cotangent(w, 0)
     batches = [W.make_batch(w, 0, s) for s in range(3)]
-    W.save_inputs(str(path), w, tables, batches, cot)
+    save_inputs(str(path), w, tables, batches, cot)
     return path, w, tables, batches, cot
 
 
 def run_runner(module, inputs_path, tmp_path, *extra):
     out, saved = tmp_path / "result.json", tmp_path / "tables.npz"
-    cmd = [sys.executable, "-m", f"jaxembed.bench.{module}", "--inputs", str(inputs_path),
+    cmd = [sys.executable, "-m", f"benchmarks.recsys.{module}", "--inputs", str(inputs_path),
            "--out", str(out), "--steps", "2", "--warmup", "1", "--threads", "1",
            "--check-steps", "3", "--verify", "--save-tables", str(saved), *extra]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text()), W.load_tables(str(saved))
+    return json.loads(out.read_text()), load_tables(str(saved))
 
 
 @pytest.mark.parametrize("impl", ["fused-ebc", "tbe"])
@@ -252,7 +255,7 @@ def test_torchrec_runner_agrees_with_rowwise_adagrad_reference(inputs, tmp_path,
     assert result["check"]["agrees_with_reference"] is True
     assert result["check"]["forward_max_abs_error"] < 1e-6
     assert len(result["step_time_samples_in_ms"]) == 2
-    want, want_acc = W.reference_steps(w, tables, batches, cot)
+    want, want_acc = reference_steps(w, tables, batches, cot)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(accs[name], want_acc[name], rtol=1e-4, atol=1e-6)
@@ -266,7 +269,7 @@ def test_kerasrs_runner_agrees_with_dense_adagrad_reference(inputs, tmp_path, mo
     assert result["framework"] == "keras-rs"
     assert result["impl"] == "DistributedEmbedding[default_device]"
     assert result["check"]["agrees_with_reference"] is True
-    want, want_acc = W.reference_steps(w, tables, batches, cot, optimizer="adagrad")
+    want, want_acc = reference_steps(w, tables, batches, cot, optimizer="adagrad")
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-6)
         np.testing.assert_allclose(accs[name], want_acc[name], rtol=1e-4, atol=1e-6)
@@ -277,7 +280,7 @@ def test_kerasrs_runner_agrees_with_dense_adagrad_reference(inputs, tmp_path, mo
 def test_runner_without_its_framework_fails_in_one_line(inputs, module, framework):
     if importlib.util.find_spec(framework) is not None:
         pytest.skip(f"{framework} is installed here")
-    cmd = [sys.executable, "-m", f"jaxembed.bench.{module}", "--inputs", str(inputs[0])]
+    cmd = [sys.executable, "-m", f"benchmarks.recsys.{module}", "--inputs", str(inputs[0])]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 3
     lines = proc.stderr.strip().splitlines()

@@ -92,11 +92,11 @@ def test_plan_reports_the_bytes_that_cross_hosts(capsys):
 
 
 def test_bench_flags_reach_the_benchmark(monkeypatch):
-    """`jaxembed bench --quick ...` hands every flag, the first included, to bench.main."""
-    import jaxembed.bench
+    """`jaxembed bench --quick ...` hands every flag, the first included, to benchmarks.main."""
+    benchmarks = cli._checkout_benchmarks()
 
     seen = []
-    monkeypatch.setattr(jaxembed.bench, "main", lambda argv: seen.append(argv) or 0)
+    monkeypatch.setattr(benchmarks, "main", lambda argv: seen.append(argv) or 0)
     assert cli.main(["bench", "--quick", "--json", "out.json"]) == 0
     assert seen == [["--quick", "--json", "out.json"]]
 

@@ -20,7 +20,7 @@ import jaxembed
 import jaxembed.nnx
 from jaxembed import hlo
 from jaxembed.collection import FeatureConfig, TableConfig, layout_collection
-from jaxembed.collection.nnx import unstack
+from jaxembed.nn.stacks import unstack
 from jaxembed.optim import reference
 
 B = 16

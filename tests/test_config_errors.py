@@ -1,5 +1,5 @@
 """Errors that name what is wrong: table and feature configs, table_rows axes, the planner's
-backend, and TABLES.json entries (issue 20)."""
+backend, and TABLES.json entries."""
 
 import json
 
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from jaxembed import cli
+from jaxembed.cli import load_tables_json
 from jaxembed.collection import FeatureConfig, TableConfig
 from jaxembed.collection.config import DTYPES
 from jaxembed.collection.layout import layout_collection
 from jaxembed.plan import cost
 from jaxembed.plan.collection import plan_collection
-from jaxembed.plan.collection_format import load_tables_json
 
 MESH_2X4 = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
 MESH_8 = jax.sharding.AbstractMesh((8,), ("model",))

@@ -2,7 +2,7 @@
 
 With a linear loss or a fixed cotangent, nothing orders the forward's gather from the table
 before the row-sparse update's scatter into it, and XLA copies the whole donated table every
-step (issue 20, item 7). `opt.update(..., after=out)` and `jaxembed.optim.sparse.after` order
+step. `opt.update(..., after=out)` and `jaxembed.optim.sparse.after` order
 the write after the reads by data; the training helpers do it with the loss. The compiled
 steps are read for copies of the table's per-device shape (`jaxembed.hlo.table_copies`), and
 the updated tables are checked against numpy.

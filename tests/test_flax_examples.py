@@ -1,4 +1,4 @@
-"""The drop-in `Embed`s in real Flax programs: lm1b-style LMs on an Auto mesh (issue 10).
+"""The drop-in `Embed`s in real Flax programs: lm1b-style LMs on an Auto mesh.
 
 Each program is a small decoder-only Transformer (`lm_models`) trained as Flax's
 `examples/lm1b_nnx` (NNX) and `examples/lm1b` (Linen) train it, on the Auto mesh

@@ -207,3 +207,32 @@ def test_bad_input():
         model.apply(params, ids.astype(jnp.float32))
     with pytest.raises(ValueError, match=r"padding_idx must be in \[0, 64\)"):
         jaxembed.flax.Embed(V, H, padding_idx=-1).init(KEY, ids)
+
+
+def test_exchange_and_its_deprecated_old_name():
+    """`exchange` is the attribute; `gradient_exchange` (its old name) warns and still works."""
+    ids = jnp.arange(16).reshape(2, 8) % V
+    table_init = nn.with_partitioning(init, ("model", None))
+    new = jaxembed.flax.Embed(V, H, exchange="rows", embedding_init=table_init)
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"gradient_exchange is deprecated, use exchange: "
+        r"jaxembed\.flax\.Embed\(\.\.\., exchange='rows'\)",
+    ):
+        old = jaxembed.flax.Embed(V, H, gradient_exchange="rows", embedding_init=table_init)
+    assert old.exchange == new.exchange == "rows" and old.gradient_exchange is None
+    with jax.set_mesh(make_mesh(AxisType.Explicit)):
+        ids = jax.device_put(ids, P("data"))
+        params = new.init(KEY, ids)["params"]
+        loss = lambda p, m: jnp.sum(m.apply({"params": p}, ids) ** 2)
+        (old_loss, old_grad), (new_loss, new_grad) = (
+            jax.value_and_grad(loss)(params, m) for m in (old, new)
+        )
+        np.testing.assert_array_equal(old_loss, new_loss)
+        np.testing.assert_array_equal(
+            unboxed(old_grad)["embedding"], unboxed(new_grad)["embedding"]
+        )
+    with pytest.raises(
+        ValueError, match=r"disagree.*pass jaxembed\.flax\.Embed\(\.\.\., exchange='dense'\) only"
+    ):
+        jaxembed.flax.Embed(V, H, exchange="dense", gradient_exchange="rows")

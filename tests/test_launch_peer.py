@@ -1,4 +1,4 @@
-"""A peer's death under jaxembed.launch is reported as the cause of what follows (issue 20).
+"""A peer's death under jaxembed.launch is reported as the cause of what follows.
 
 When one process of a multi-process run dies, the survivors' last words are the runtime's
 (gloo's "collective mismatch", a heartbeat timeout, an abort): the launcher names the dead

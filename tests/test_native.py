@@ -137,7 +137,7 @@ def test_bag_scatter_add_matches_xla(dtype):
     _, local, valid, seg, scale = make_slots(4, 150)
     out_grad = jnp.asarray(np.random.default_rng(4).normal(size=(S, H)), dtype)
     got = native.bag_scatter_add((R, H), local, valid, seg, scale, out_grad)
-    assert bitwise(got, native.xla_bag_scatter_add((R, H), local, valid, seg, scale, out_grad))
+    assert bitwise(got, local_ops.bag_scatter_add((R, H), local, valid, seg, scale, out_grad))
     og = np.asarray(out_grad.astype(jnp.float32), np.float64)
     want = np.zeros((R, H))
     for i in np.flatnonzero(valid & (seg >= 0) & (seg < S)):
@@ -167,7 +167,7 @@ def test_wide_rows(hidden, dtype):
     args = (f, table, state, 1, local, valid, seg, scale, out_grad)
     assert_update_equal(
         native.bag_apply_rows(*args, hidden_size=hidden),
-        native.xla_bag_apply_rows(*args, hidden_size=hidden),
+        sparse.bag_apply_rows(*args, hidden_size=hidden),
         (table, state),
         touched,
     )
@@ -311,7 +311,7 @@ def test_bag_apply_rows_matches_xla(name, dtype):
     got = native.bag_apply_rows(
         formula, table, state, 3, local, valid, seg, scale, out_grad, hidden_size=H
     )
-    want = native.xla_bag_apply_rows(
+    want = sparse.bag_apply_rows(
         formula, table, state, 3, local, valid, seg, scale, out_grad, hidden_size=H
     )
     assert_update_equal(got, want, (table, state), touched)
@@ -372,7 +372,7 @@ def test_kernels_inside_shard_map_on_8_devices(mesh_8):
     put = lambda a: jax.device_put(jnp.asarray(a), NamedSharding(mesh_8, P("model")))
     args = [put(a) for a in (table, local, valid, seg, scale, out_grad, state[0])]
     got = body(native.pool_sum, native.bag_apply_rows)(*args)
-    want = body(local_ops.pool_sum, native.xla_bag_apply_rows)(*args)
+    want = body(local_ops.pool_sum, sparse.bag_apply_rows)(*args)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
     assert got[0].sharding.is_equivalent_to(NamedSharding(mesh_8, P("model")), 2)

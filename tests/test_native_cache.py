@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxembed.kernels.native import build
+from jaxembed._native import build
 
 # A fresh process: native lookups (a gather and a one-device bag) against numpy, as JSON.
 USE_NATIVE = textwrap.dedent(
@@ -37,7 +37,7 @@ USE_NATIVE = textwrap.dedent(
     import numpy as np
     import jaxembed
     from jaxembed.kernels import native
-    from jaxembed.kernels.native import build
+    from jaxembed._native import build
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -64,7 +64,7 @@ USE_NATIVE = textwrap.dedent(
     """
 )
 
-BUILD_ONLY = "from jaxembed.kernels.native import build\nimport json\n" + (
+BUILD_ONLY = "from jaxembed._native import build\nimport json\n" + (
     "why = build.ensure()\n"
     "print(json.dumps(dict(why=why, path=str(build.library_path()), "
     "rebuild=build.rebuild_reason())))\n"

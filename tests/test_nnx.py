@@ -295,3 +295,28 @@ def test_padding_idx():
         ValueError, match=r"padding_idx must be in \[0, 64\) \(the vocabulary\), got 64"
     ):
         jaxembed.nnx.Embed(V, H, padding_idx=64, rngs=nnx.Rngs(0))
+
+
+def test_exchange_and_its_deprecated_old_name():
+    """`exchange` is the option; `gradient_exchange` (its old name) warns and still works."""
+    ids = jnp.arange(16).reshape(2, 8) % V
+    table_init = nnx.with_partitioning(init, ("model", None))
+    grad_of = lambda m: nnx.grad(lambda m: jnp.sum(m(ids) ** 2))(m).embedding[...]
+    with jax.set_mesh(make_mesh(AxisType.Explicit)):
+        ids = jax.device_put(ids, P("data"))
+        new = jaxembed.nnx.Embed(V, H, exchange="rows", embedding_init=table_init, rngs=nnx.Rngs(0))
+        with pytest.warns(
+            DeprecationWarning,
+            match=r"gradient_exchange is deprecated, use exchange: "
+            r"jaxembed\.nnx\.Embed\(\.\.\., exchange='rows'\)",
+        ):
+            old = jaxembed.nnx.Embed(
+                V, H, gradient_exchange="rows", embedding_init=table_init, rngs=nnx.Rngs(0)
+            )
+        assert old.exchange == new.exchange == "rows"
+        np.testing.assert_array_equal(old(ids), new(ids))
+        np.testing.assert_array_equal(grad_of(old), grad_of(new))
+    with pytest.raises(
+        ValueError, match=r"disagree.*pass jaxembed\.nnx\.Embed\(\.\.\., exchange='dense'\) only"
+    ):
+        jaxembed.nnx.Embed(V, H, exchange="dense", gradient_exchange="rows", rngs=nnx.Rngs(0))

@@ -1,12 +1,16 @@
-"""Collections of embedding tables: configs, placements and stacks, lookups and updates.
+"""Collections of embedding tables as plain data: configs, placements and stacks.
 
 * `jaxembed.collection.config`: `TableConfig`, `FeatureConfig`;
 * `jaxembed.collection.layout`: placements resolved on a mesh, tables packed into stacks;
-* `jaxembed.collection.lookup`: a batch's lookups and row-sparse updates, one call per stack.
+* `jaxembed.collection.checks`: what replaces or updates a collection's tables, checked.
 
-The Flax modules are `jaxembed.nnx.EmbeddingBagCollection` and
-`jaxembed.flax.EmbeddingBagCollection`.
+Nothing here imports the kernels or Flax, so the planner (`jaxembed.plan`) reads these from
+below. A batch's lookups and updates are `jaxembed.kernels.collection`'s
+(`collection_lookup`, `collection_update`; also here by name, loaded on first use); the Flax
+modules are `jaxembed.nnx.EmbeddingBagCollection` and `jaxembed.flax.EmbeddingBagCollection`.
 """
+
+import importlib
 
 from jaxembed.collection.config import PLACEMENTS as PLACEMENTS
 from jaxembed.collection.config import FeatureConfig as FeatureConfig
@@ -28,12 +32,13 @@ __all__ = [
     "layout_collection",
 ]
 
+# Names kept here for `from jaxembed.collection import collection_update`: they live in the
+# kernels (above this package), so they are looked up by name when first asked for, never
+# imported by this package.
+_KERNEL_NAMES = {"collection_lookup", "collection_update"}
+
 
 def __getattr__(name):
-    # The lookups import the kernels: loaded on first use, so that the planner (which reads
-    # configs and layouts only) stays below them.
-    if name in ("collection_lookup", "collection_update"):
-        from jaxembed.collection import lookup
-
-        return getattr(lookup, name)
+    if name in _KERNEL_NAMES:
+        return getattr(importlib.import_module("jaxembed.kernels.collection"), name)
     raise AttributeError(f"module 'jaxembed.collection' has no attribute {name!r}")

@@ -1,8 +1,22 @@
 """Kernels: the `shard_map` bodies that execute a plan, and their shard-local work.
 
 * `jaxembed.kernels.lookup`: `embedding` (forward and gradient);
+* `jaxembed.kernels.bag`: `embedding_bag` (pooled lookups);
+* `jaxembed.kernels.update`: the row-sparse update's body (backward and optimizer fused);
+* `jaxembed.kernels.routed`: the routed exchange (each id to its owner, at a capacity);
 * `jaxembed.kernels.reshard`: the plan's moves of small operands, inside a body;
-* `jaxembed.kernels.local`: shard-local gather / pool / scatter (the XLA reference of the
-  native kernels);
-* `jaxembed.kernels.arrays`: where arrays are laid out, and what is assumed when unseen.
+* `jaxembed.kernels.common`: plumbing every body shares (reductions, layouts, checks, stats);
+* `jaxembed.kernels.options`: `LookupOptions`, a lookup's keywords as one object;
+* `jaxembed.kernels.local`, `jaxembed.kernels.sparse`: the XLA shard-local work (gather /
+  pool / scatter; dedup and the row update), the reference of `jaxembed.kernels.native`,
+  their C++ twins (sources and build in `jaxembed._native`); `jaxembed.kernels.select`
+  chooses between them (`kernels_for`);
+* `jaxembed.kernels.arrays`: where arrays are laid out, and what is assumed when unseen;
+* `jaxembed.kernels.collection`: a collection's lookup and update (one bag call per stack);
+* `jaxembed.kernels.cross_entropy`: the vocab-parallel cross-entropy's bodies.
+
+Imports go one way: `select` -> `native`, `local`; `sparse` -> `local`; `native` ->
+`jaxembed._native` only. Nothing here imports `jaxembed.optim` (which imports the kernels):
+an optimizer's `RowFormula` reaches a kernel as a value, with its own `apply` and
+`step_scalars`.
 """

@@ -32,19 +32,15 @@ from jaxembed.kernels import local as local_ops
 from jaxembed.kernels import routed as routed_ops
 from jaxembed.kernels.arrays import (
     eager,
-    layout_known,
     move,
     resolve_mesh,
-    spec_of,
-    stated_spec,
-    warn_once,
     whole_on_one_device,
     zeros_like_output,
 )
-from jaxembed.kernels.lookup import (
+from jaxembed.kernels.common import (
     LookupStats,
-    _with_stats,
     check_table,
+    companion_spec,
     cotangent_spec,
     finish_gradient,
     out_grad_to_body,
@@ -53,8 +49,11 @@ from jaxembed.kernels.lookup import (
     runs_on_one_device,
     shard_map,
     validate_scalars,
+    with_stats,
 )
+from jaxembed.kernels.options import LookupOptions
 from jaxembed.kernels.reshard import apply_moves, gather
+from jaxembed.kernels.select import kernels_for
 from jaxembed.plan import EmbeddingPlan, Exchange, plan_embedding_bag
 from jaxembed.plan.exchange import operand_has_dim
 
@@ -66,6 +65,7 @@ __all__ = [
     "moved_bags",
     "pool",
     "prepare_bags",
+    "run_embedding_bag",
 ]
 
 
@@ -78,6 +78,11 @@ class Bags(NamedTuple):
 
     def operands(self) -> tuple[jax.Array, ...]:
         return tuple(a for a in self if a is not None)
+
+    def batch(self) -> ragged.BagBatch:
+        """The canonical form of these bags (`jaxembed.ragged.to_bag_batch`): the one place
+        the kernels build it, from the whole batch or from one device's block."""
+        return ragged.to_bag_batch(self.ids, lengths=self.lengths, per_id_weights=self.weights)
 
 
 def _unpack(plan: EmbeddingPlan, arrays) -> Bags:
@@ -111,10 +116,7 @@ def _slots(
     a row, wherever it lives (the routed exchange fetches them).
     """
     bag = plan.bag
-    if bag.form == "dense":
-        batch = ragged.to_bag_batch(bags.ids, per_id_weights=bags.weights)
-    else:
-        batch = ragged.to_bag_batch(bags.ids, lengths=bags.lengths, per_id_weights=bags.weights)
+    batch = bags.batch()  # the dense form has no lengths
     segments, num_bags = batch.segments, batch.num_bags
     if my_bags_only and plan.bag_split_axes:
         n = math.prod(jax.lax.axis_size(a) for a in plan.bag_split_axes)
@@ -189,7 +191,7 @@ def _routed_pool(plan: EmbeddingPlan, bags: Bags, table: jax.Array):
     buckets = routed_ops.bucketize(plan, bags.ids.reshape(-1), s.here)
     overflow = routed_ops.overflowed(buckets, plan.mesh_names)
 
-    ops = local_ops.kernels_for(plan)
+    ops = kernels_for(plan)
 
     def routed(_):
         rows = routed_ops.route_rows(plan, table, buckets)  # f[M, H/K], complete rows
@@ -215,7 +217,7 @@ def pool(plan: EmbeddingPlan, bags: Bags, table: jax.Array):
         out, overflow = _routed_pool(plan, bags, table)
         return out, None, overflow
     s = _slots(plan, bags, my_bags_only=True)
-    ops = local_ops.kernels_for(plan)
+    ops = kernels_for(plan)
     if plan.bag.combiner != "max":
         pooled = ops.pool_sum(table, s.local, s.here, s.segment, s.scale, s.num_segments)
         out = reduce_over_rows(plan, _out_shape(plan, bags, pooled.astype(table.dtype)))
@@ -316,7 +318,7 @@ def _backward_body(plan: EmbeddingPlan, *arrays):
     bags = _unpack(plan, residuals)
     winners = residuals[-1] if plan.bag.combiner == "max" else None
 
-    ops = local_ops.kernels_for(plan)
+    ops = kernels_for(plan)
 
     def scatter(local, here, grads):
         return ops.scatter_add(plan.table_shard_shape, local, here, grads)
@@ -396,19 +398,20 @@ _local_bag.defvjp(_local_bag_fwd, _local_bag_bwd)
 _local_bag_jit = jax.jit(_local_bag, static_argnums=(0,))
 
 
-def _one_device_bag(bags: Bags, weight, combiner, vocab_size, padding_idx, impl):
-    """The one-device lookup: the native kernels where they run, else XLA's ops."""
+def _one_device_bag(bags: Bags, batch: ragged.BagBatch, weight, options: LookupOptions):
+    """The one-device lookup: the native kernels where they run, else XLA's ops (on `batch`,
+    the bags' canonical form)."""
     plan = plan_embedding_bag(
         AbstractMesh((1,), ("_",)), bags.ids.shape, weight.shape,
         num_bags=None if bags.lengths is None else bags.lengths.shape[-1],
-        combiner=combiner, weighted=bags.weights is not None, x_spec=P(),
+        combiner=options.combiner, weighted=bags.weights is not None, x_spec=P(),
         lengths_spec=None if bags.lengths is None else P(),
         weights_spec=None if bags.weights is None else P(), weight_spec=P(),
-        padding_idx=padding_idx, vocab_size=vocab_size, dtype=weight.dtype,
-        ids_dtype=bags.ids.dtype, impl=impl,
+        padding_idx=options.padding_idx, vocab_size=options.vocab_size, dtype=weight.dtype,
+        ids_dtype=bags.ids.dtype, impl=options.impl,
     )  # fmt: skip
     if plan.impl != "native":
-        return _dense_bag(bags, combiner, weight, plan.vocab_size, padding_idx)
+        return _dense_bag(batch, options.combiner, weight, plan.vocab_size, options.padding_idx)
     run = _local_bag_jit if eager(bags.operands(), weight) else _local_bag
     return run(plan, bags.operands(), weight)
 
@@ -416,12 +419,9 @@ def _one_device_bag(bags: Bags, weight, combiner, vocab_size, padding_idx, impl)
 # --- the public entry point --------------------------------------------------------------------
 
 
-def _dense_bag(bags: Bags, plan_bag, weight, vocab_size, padding_idx):
-    """The pooled lookup without a kernel: one device, or XLA's own partitioning."""
-    if bags.lengths is None:
-        batch = ragged.to_bag_batch(bags.ids, per_id_weights=bags.weights)
-    else:
-        batch = ragged.to_bag_batch(bags.ids, lengths=bags.lengths, per_id_weights=bags.weights)
+def _dense_bag(batch: ragged.BagBatch, plan_bag, weight, vocab_size, padding_idx):
+    """The pooled lookup of `batch` (`Bags.batch`) without a kernel: one device, or XLA's own
+    partitioning."""
     valid = ragged.valid_slots(batch, vocab_size, padding_idx)
     scale = ragged.bag_scales(valid, batch.segments, batch.weights, batch.num_bags, plan_bag)
     seg = ragged.global_segments(jnp.where(valid, batch.segments, -1), batch.num_bags)
@@ -447,17 +447,15 @@ def prepare_bags(
     every static check of `jaxembed.ragged.to_bag_batch` applied (and value checks when
     concrete). Ids of any width are checked before they are narrowed (`jaxembed.ids`);
     `check=False` saturates concrete ids int32 cannot hold instead of raising."""
-    if isinstance(x, ragged.Ragged):
-        ragged.to_bag_batch(x, lengths=lengths, offsets=offsets, per_id_weights=per_id_weights)
+    is_ragged = isinstance(x, ragged.Ragged)
+    if not is_ragged:
+        x = as_ids(x, check=check)
+    ragged.to_bag_batch(  # the checks, once (the kernels build the form, `Bags.batch`)
+        x, lengths=lengths, offsets=offsets, per_id_weights=per_id_weights,
+        include_last_offset=include_last_offset and not is_ragged,
+    )  # fmt: skip
+    if is_ragged:
         return Bags(as_ids(x.values, check=check), x.lengths, x.weights)
-    x = as_ids(x, check=check)
-    ragged.to_bag_batch(
-        x,
-        lengths=lengths,
-        offsets=offsets,
-        per_id_weights=per_id_weights,
-        include_last_offset=include_last_offset,
-    )  # fmt: skip  (checks only; the kernel builds its own from the local block)
     if offsets is not None:
         lengths = ragged.lengths_from_offsets(
             jnp.asarray(offsets), x.shape[-1], include_last_offset=include_last_offset
@@ -466,16 +464,13 @@ def prepare_bags(
     return Bags(x, None if lengths is None else as_ids(lengths, "lengths"), weights)
 
 
-def _check_bag_ids(bags: Bags, vocab_size: int) -> None:
+def _check_bag_ids(bags: Bags, vocab_size: int, batch: ragged.BagBatch | None = None) -> None:
+    """Raises on concrete ids outside the vocabulary (`batch`: `bags.batch()` if built)."""
     if any(isinstance(a, jax.core.Tracer) for a in bags.operands()):
         return
     if isinstance(bags.ids, jax.Array) and not bags.ids.is_fully_addressable:
         return
-    if bags.lengths is None:
-        batch = ragged.to_bag_batch(bags.ids)
-    else:
-        batch = ragged.to_bag_batch(bags.ids, lengths=bags.lengths)
-    ragged.check_bag_ids(batch, vocab_size)
+    ragged.check_bag_ids(bags.batch() if batch is None else batch, vocab_size)
 
 
 def embedding_bag(
@@ -554,70 +549,60 @@ def embedding_bag(
       >>> embedding_bag(ids, table, combiner="mean").tolist()
       [[3.0, 4.0], [6.0, 7.0], [3.0, 4.0], [6.0, 7.0]]
     """
-    bags = prepare_bags(x, lengths, offsets, per_id_weights, include_last_offset, check=check_ids)
-    check_table(weight)
-    ragged.check_weights_allowed(combiner, bags.weights is not None)
-    mesh = resolve_mesh(mesh, weight, bags.ids)
-    plan_vocab = weight.shape[0] if vocab_size is None else vocab_size
-    if runs_on_one_device(mesh, x_spec, weight_spec, out_spec):
-        validate_scalars(plan_vocab, padding_idx, weight.shape[0])
-        if check_ids:
-            _check_bag_ids(bags, plan_vocab)
-        weight = whole_on_one_device(weight)
-        out = _one_device_bag(bags, weight, combiner, vocab_size, padding_idx, impl)
-        return _with_stats(out, return_stats)
-    weight_spec, x_spec = resolve_layouts(
-        bags.ids, weight, mesh, x_spec=x_spec, weight_spec=weight_spec,
-        function="embedding_bag",
+    options = LookupOptions(
+        padding_idx=padding_idx, vocab_size=vocab_size, mesh=mesh, x_spec=x_spec,
+        weight_spec=weight_spec, out_spec=out_spec, exchange=exchange,
+        row_sharding=row_sharding, capacity=capacity, capacity_factor=capacity_factor,
+        return_stats=return_stats, impl=impl, combiner=combiner,
+        include_last_offset=include_last_offset, check_ids=check_ids, function="embedding_bag",
     )  # fmt: skip
+    bags = prepare_bags(x, lengths, offsets, per_id_weights, include_last_offset, check=check_ids)
+    return run_embedding_bag(bags, weight, options)
+
+
+def run_embedding_bag(bags: Bags, weight: jax.Array, options: LookupOptions) -> Any:
+    """`embedding_bag` of `bags` (`prepare_bags`) with its keywords as one `LookupOptions`.
+
+    Raises:
+      As `embedding_bag`.
+    """
+    check_table(weight)
+    ragged.check_weights_allowed(options.combiner, bags.weights is not None)
+    mesh = resolve_mesh(options.mesh, weight, bags.ids)
+    plan_vocab = options.vocab_of(weight.shape[0])
+    if runs_on_one_device(mesh, options.x_spec, options.weight_spec, options.out_spec):
+        validate_scalars(plan_vocab, options.padding_idx, weight.shape[0])
+        batch = bags.batch()
+        if options.check_ids:
+            _check_bag_ids(bags, plan_vocab, batch)
+        weight = whole_on_one_device(weight)
+        out = _one_device_bag(bags, batch, weight, options)
+        return with_stats(out, options.return_stats)
+    weight_spec, x_spec = resolve_layouts(bags.ids, weight, mesh, **options.layout_kwargs())
     if weight_spec is None:
-        validate_scalars(plan_vocab, padding_idx, weight.shape[0])
-        out = _dense_bag(bags, combiner, weight, plan_vocab, padding_idx)
-        return _with_stats(out, return_stats)
+        validate_scalars(plan_vocab, options.padding_idx, weight.shape[0])
+        out = _dense_bag(bags.batch(), options.combiner, weight, plan_vocab, options.padding_idx)
+        return with_stats(out, options.return_stats)
     plan = plan_embedding_bag(
         mesh, bags.ids.shape, weight.shape,
         num_bags=None if bags.lengths is None else bags.lengths.shape[-1],
-        combiner=combiner, weighted=bags.weights is not None, x_spec=x_spec,
-        lengths_spec=_companion_spec(bags.lengths, mesh, x_spec),
-        weights_spec=_companion_spec(bags.weights, mesh, x_spec),
-        weight_spec=weight_spec, out_spec=out_spec, padding_idx=padding_idx,
-        vocab_size=vocab_size, dtype=weight.dtype, ids_dtype=bags.ids.dtype,
-        exchange=exchange, row_sharding=row_sharding, capacity=capacity,
-        capacity_factor=capacity_factor, impl=impl,
+        combiner=options.combiner, weighted=bags.weights is not None, x_spec=x_spec,
+        lengths_spec=companion_spec(bags.lengths, mesh, x_spec),
+        weights_spec=companion_spec(bags.weights, mesh, x_spec),
+        weight_spec=weight_spec, out_spec=options.out_spec, dtype=weight.dtype,
+        ids_dtype=bags.ids.dtype, exchange=options.exchange, **options.plan_kwargs(),
     )  # fmt: skip
-    if check_ids:
+    if options.check_ids:
         _check_bag_ids(bags, plan.vocab_size)
     if bags.ids.size == 0:  # every bag empty: zeros, and no collective over zero slots
         out = zeros_like_output(
             plan.out_shape, weight.dtype, mesh, plan.out_spec, weight, plan.weight_spec
         )
-        return _with_stats(out, return_stats)
+        return with_stats(out, options.return_stats)
     operands = tuple(
         move(a, mesh, op.given) if not isinstance(a, jax.core.Tracer) else a
         for a, op in zip(bags.operands(), plan.operands, strict=True)
     )
     run = _bag_jit if eager(operands, weight) else _bag
     out, overflow = run(plan, mesh, operands, weight)
-    return (out, LookupStats(overflow)) if return_stats else out
-
-
-def _companion_spec(a: jax.Array | None, mesh: Any, x_spec: P) -> P | None:
-    """The layout of lengths or weights: their own where they state one, else x's lead."""
-    if a is None:
-        return None
-    stated = stated_spec(a, mesh)
-    if stated is not None:
-        return stated
-    if layout_known(a, mesh) and not isinstance(a, jax.core.Tracer):
-        spec = spec_of(a, mesh)
-        if spec != P():
-            return spec
-    parts = tuple(x_spec) + (None,) * (a.ndim - len(tuple(x_spec)))
-    lead = parts[: a.ndim - 1]
-    if any(p is not None for p in parts[a.ndim - 1 :]) and a.ndim == len(tuple(x_spec)):
-        warn_once(
-            "bag-axis-split",
-            "embedding_bag(): the ids' last axis (the bag slots) is split; the kernel "
-            "gathers it, since a bag's ids must be whole to pool it.",
-        )
-    return P(*lead, None)
+    return (out, LookupStats(overflow)) if options.return_stats else out

@@ -1,8 +1,9 @@
 """The shard-local work of every lookup: which rows are here, gather, pool, scatter.
 
 These run inside the `shard_map` bodies, on one device's block, with no communication. They
-are the seam where a native kernel may replace XLA (`jaxembed.kernels.native`): each
-function here is the reference its native twin is tested against.
+are the seam where a native kernel may replace XLA (`jaxembed.kernels.native`, chosen by
+`jaxembed.kernels.select.kernels_for`): each function here is the reference its native twin,
+of the same name and signature, is tested against.
 
 Row sharding. A table split over R mesh axes (n shards) holds, on shard s:
 
@@ -13,37 +14,22 @@ Row sharding. A table split over R mesh axes (n shards) holds, on shard s:
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 __all__ = [
+    "bag_scatter_add",
     "gather_rows",
-    "kernels_for",
     "local_rows",
     "owner_of",
     "pool_max",
     "pool_sum",
     "reads_a_row",
+    "scaled_bag_grads",
     "scatter_add",
 ]
-
-
-def kernels_for(plan: Any):
-    """The module whose `gather_rows`, `pool_sum`, `pool_max` and `scatter_add` the plan runs:
-    this one (XLA), or `jaxembed.kernels.native` (its C++ twins) when `plan.impl` says so."""
-    if getattr(plan, "impl", "xla") == "native":
-        from jaxembed.kernels import native
-
-        return native
-    return sys.modules[__name__]
-
-
-def native_update(plan: Any) -> bool:
-    """Whether the row-sparse update runs natively (the hidden axis must not be split)."""
-    return getattr(plan, "impl", "xla") == "native" and not plan.hidden_axes
 
 
 def reads_a_row(ids: jax.Array, vocab_size: int, padding_idx: int | None) -> jax.Array:
@@ -163,3 +149,37 @@ def scatter_add(
     rows = shape[0]
     out = jnp.zeros(shape, jnp.float32)
     return out.at[jnp.where(valid, local, rows)].add(grads.astype(jnp.float32), mode="drop")
+
+
+def scaled_bag_grads(segments: jax.Array, scale: jax.Array, out_grad: jax.Array) -> jax.Array:
+    """f32[M, H]: each bag slot's gradient `scale[i] · out_grad[segments[i]]`, zero where the
+    segment is outside `[0, S)` (`out_grad`: f[S, H], the pooled output's cotangent)."""
+    s = out_grad.shape[0]
+    inside = (segments >= 0) & (segments < s)
+    rows = jnp.take(out_grad.astype(jnp.float32), jnp.where(inside, segments, s), axis=0,
+                    mode="fill", fill_value=0)  # fmt: skip
+    return rows * scale.astype(jnp.float32)[:, None]
+
+
+def bag_scatter_add(
+    shape: tuple[int, int],
+    local: jax.Array,
+    valid: jax.Array,
+    segments: jax.Array,
+    scale: jax.Array,
+    out_grad: jax.Array,
+) -> jax.Array:
+    """`scatter_add` of the bag slots' gradients `scale[i] · out_grad[segments[i]]`.
+
+    The XLA twin of `jaxembed.kernels.native.bag_scatter_add` (same arguments and result):
+    the `[M, H]` slot gradients (`scaled_bag_grads`), then `scatter_add`.
+
+    Args:
+      shape: the gradient shard's `(V_local, H)`.
+      local, valid, segments, scale: int[M], bool[M], int[M], f32[M] as `pool_sum`.
+      out_grad: f[S, H] the pooled output's cotangent.
+
+    Returns:
+      f32[V_local, H].
+    """
+    return scatter_add(shape, local, valid, scaled_bag_grads(segments, scale, out_grad))

@@ -15,7 +15,7 @@ collective of the compiled program is one the plan lists.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,67 +26,33 @@ from jaxembed.ids import as_ids
 from jaxembed.kernels import local as local_ops
 from jaxembed.kernels import routed as routed_ops
 from jaxembed.kernels.arrays import (
-    assumed_ids_spec,
     eager,
-    layout_known,
     move,
-    normalize_spec,
     resolve_mesh,
-    spec_of,
-    stated_spec,
-    warn_once,
     whole_on_one_device,
     zeros_like_output,
 )
+from jaxembed.kernels.common import LookupStats as LookupStats
+from jaxembed.kernels.common import (
+    check_table,
+    cotangent_spec,
+    finish_gradient,
+    out_grad_to_body,
+    reduce_over_rows,
+    runs_on_one_device,
+    shard_map,
+    validate_scalars,
+    with_stats,
+)
+from jaxembed.kernels.common import resolve_layouts as resolve_layouts
+from jaxembed.kernels.options import LookupOptions
 from jaxembed.kernels.reshard import apply_moves, gather
+from jaxembed.kernels.select import kernels_for
 from jaxembed.plan import EmbeddingPlan, Exchange, plan_embedding
 
-__all__ = ["LookupStats", "check_ids", "embedding", "resolve_layouts"]
-
-
-# --- pieces shared by every body -------------------------------------------------------------
-
-
-def reduce_over_rows(plan: EmbeddingPlan, out: jax.Array) -> jax.Array:
-    """Sums the row shards' partial outputs: `psum_scatter` where the output splits a batch
-    axis over a row axis, `psum` over the rest (unreduced axes are left alone)."""
-    for dim, axes in plan.scatters:
-        out = jax.lax.psum_scatter(out, axes, scatter_dimension=dim, tiled=True)
-    if plan.psum_axes:
-        out = jax.lax.psum(out, plan.psum_axes)
-    return out
-
-
-def out_grad_to_body(plan: EmbeddingPlan, out_grad: jax.Array) -> jax.Array:
-    """The backward's first step: out_grad from the output's layout to the body's, then the
-    transpose of each forward `psum_scatter` (an `all_gather`)."""
-    out_grad = apply_moves(out_grad, plan.grad_moves)
-    for dim, axes in reversed(plan.scatters):
-        out_grad = gather(out_grad, axes, dim)
-    return out_grad
-
-
-def finish_gradient(plan: EmbeddingPlan, weight_grad: jax.Array) -> jax.Array:
-    """The dense exchange's `psum` over the batch axes, and the table's dtype."""
-    if plan.exchange == "dense":
-        weight_grad = jax.lax.psum(weight_grad, plan.batch_axes)
-    return weight_grad.astype(plan.dtype)
-
-
-def shard_map(body, plan: EmbeddingPlan, mesh: Any, in_specs, out_specs):
-    """`jax.shard_map` of `body(plan, ...)` with the VMA check on."""
-    return jax.shard_map(
-        functools.partial(body, plan),
-        mesh=mesh,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        check_vma=True,
-    )
-
-
-def cotangent_spec(plan: EmbeddingPlan) -> P:
-    """The layout the output's cotangent arrives in (reduced where the output is unreduced)."""
-    return plan.out_spec.to_ct_spec() if plan.unreduced_axes else plan.out_spec
+# `LookupStats` and `resolve_layouts` live in `jaxembed.kernels.common`; re-exported here, where
+# `jaxembed.LookupStats` and the collections' lookup have always found them.
+__all__ = ["LookupStats", "check_ids", "embedding", "lookup", "resolve_layouts", "run_lookup"]
 
 
 # --- the lookup's bodies -----------------------------------------------------------------------
@@ -94,7 +60,7 @@ def cotangent_spec(plan: EmbeddingPlan) -> P:
 
 def _gathered_lookup(plan: EmbeddingPlan, ids: jax.Array, table: jax.Array) -> jax.Array:
     local, valid = local_ops.local_rows(plan, ids)
-    gathered = local_ops.kernels_for(plan).gather_rows(table, local.reshape(-1), valid.reshape(-1))
+    gathered = kernels_for(plan).gather_rows(table, local.reshape(-1), valid.reshape(-1))
     out = gathered.reshape(*ids.shape, table.shape[1])  # f[*batch / ids_spec, H/K], partial / R
     return reduce_over_rows(plan, out)  # f[*batch / body_out_spec, H/K]
 
@@ -127,7 +93,7 @@ def _forward_body(plan: EmbeddingPlan, x: jax.Array, table: jax.Array):
 def _scatter_gradient(plan, ids, out_grad):
     local, valid = local_ops.local_rows(plan, ids)
     grads = out_grad.reshape(-1, out_grad.shape[-1])
-    ops = local_ops.kernels_for(plan)
+    ops = kernels_for(plan)
     return ops.scatter_add(plan.table_shard_shape, local.reshape(-1), valid.reshape(-1), grads)
 
 
@@ -192,119 +158,7 @@ _lookup.defvjp(_lookup_fwd, _lookup_bwd)
 _lookup_jit = jax.jit(_lookup, static_argnums=(0, 1))  # an eager call: one compiled program
 
 
-# --- layouts: read, checked, or assumed --------------------------------------------------------
-
-
-def check_table(weight: Any) -> None:
-    """Raises for a table that is not a 2-D float array."""
-    if jnp.ndim(weight) != 2:
-        raise ValueError(
-            f"weight must be a 2-D table [vocab, hidden], got shape {jnp.shape(weight)}"
-        )
-    if not jnp.issubdtype(weight.dtype, jnp.floating):
-        raise TypeError(f"weight must be a float table, got {weight.dtype}")
-
-
-def resolve_layouts(
-    x: jax.Array,
-    weight: jax.Array,
-    mesh: Any,
-    *,
-    x_spec: P | None,
-    weight_spec: P | None,
-    x_hint: P | None = None,
-    function: str = "embedding",
-    table_advice: str | None = None,
-    ids_advice: str | None = None,
-) -> tuple[P | None, P]:
-    """The table's and the ids' layouts, read where visible, checked, or assumed.
-
-    Returns `(weight_spec, x_spec)`; `weight_spec` is None when the table's layout cannot be
-    known (a traced table in an Auto mesh and no `weight_spec`): the caller then falls back
-    to XLA's lookup rather than run a kernel that would make XLA gather the table.
-
-    Args:
-      x, weight: the ids and the table (concrete or traced).
-      mesh: the mesh the lookup runs on.
-      x_spec, weight_spec: layouts the caller states (None: read them).
-      x_hint: a layout the program states for the ids without forcing it (a module's
-        `inputs_sharding`): used where it divides, else reduced.
-      function: the caller's name, for messages.
-      table_advice: what to tell the caller when the table's layout is unknown.
-      ids_advice: what to tell the caller when the ids' layout is assumed.
-
-    Raises:
-      ValueError: a `weight_spec` or `x_spec` contradicting an Explicit array's type.
-    """
-    if weight_spec is None:
-        if layout_known(weight, mesh):
-            weight_spec = spec_of(weight, mesh)
-        else:
-            advice = table_advice or (
-                f"pass weight_spec=PartitionSpec(...) to {function}(), or use an Explicit mesh"
-            )
-            warn_once(
-                "table-unknown",
-                f"{function}(): the table is traced in an Auto mesh and its layout is not known "
-                f"(a traced array does not carry it there), so jaxembed does not run its "
-                f"sharded kernel (XLA would gather the table to feed it) and falls back to "
-                f"XLA's own partitioning of the lookup. To run sharded: {advice}.",
-            )
-            return None, P()
-    elif (given := stated_spec(weight, mesh)) is not None:
-        if normalize_spec(given, 2) != normalize_spec(weight_spec, 2):
-            raise ValueError(
-                f"weight is laid out as {given} but weight_spec={weight_spec}: jaxembed never "
-                "moves the table; drop weight_spec, or reshard the table once with "
-                "jax.sharding.reshard(weight, weight_spec)"
-            )
-    if x_spec is not None:
-        if isinstance(x, jax.core.Tracer) and (given := stated_spec(x, mesh)) is not None:
-            if normalize_spec(given, x.ndim) != normalize_spec(x_spec, x.ndim):
-                raise ValueError(
-                    f"the ids are laid out as {given} but x_spec={x_spec}: drop x_spec "
-                    "(jaxembed reads the layout from the ids' type in an Explicit mesh), or "
-                    "reshard the ids first"
-                )
-        return weight_spec, x_spec
-    if layout_known(x, mesh):
-        return weight_spec, spec_of(x, mesh)
-    assumed = assumed_ids_spec(tuple(x.shape), mesh, weight_spec, x_hint)
-    if x_hint is not None and normalize_spec(assumed, x.ndim) == normalize_spec(x_hint, x.ndim):
-        return weight_spec, assumed  # the program states it: nothing assumed
-    advice = ids_advice or f"pass x_spec=PartitionSpec(...) to {function}()"
-    if x_hint is not None:
-        why = f"the stated layout {x_hint} does not divide them, so they run as {assumed}"
-    else:
-        why = (
-            f"jaxembed assumes {assumed}: the batch split over the mesh axes the table does "
-            "not use, as far as that divides"
-        )
-    warn_once(
-        "ids-assumed",
-        f"{function}(): the ids of shape {tuple(x.shape)} are traced in an Auto mesh, where "
-        f"their layout cannot be seen; {why}. To state it: {advice}.",
-    )
-    return weight_spec, assumed
-
-
 # --- the public entry point ----------------------------------------------------------------
-
-
-class LookupStats(NamedTuple):
-    """What a lookup did that its plan cannot know in advance (returned with `return_stats`).
-
-    Attributes:
-      routed_fallback: int32[], 1 when some bucket of the routed exchange overflowed its
-        capacity in this step and the exact gather exchange ran instead (0 otherwise, and
-        always 0 for the other exchanges). Sum it over steps to count the fallbacks.
-    """
-
-    routed_fallback: jax.Array
-
-
-def _with_stats(out: jax.Array, return_stats: bool):
-    return (out, LookupStats(jnp.zeros((), jnp.int32))) if return_stats else out
 
 
 def check_ids_eagerly(x: Any, vocab_size: int) -> None:
@@ -353,23 +207,6 @@ def dense_lookup(x, weight, vocab_size, padding_idx):
     """The masked lookup without a kernel: one device, or XLA's own partitioning."""
     valid = local_ops.reads_a_row(x, vocab_size, padding_idx)
     return local_ops.gather_rows(weight, jnp.where(valid, x, 0), valid)
-
-
-def validate_scalars(vocab_size: int, padding_idx: int | None, num_rows: int) -> None:
-    """Raises for a vocab_size or padding_idx out of range (the plan checks them too)."""
-    if not 1 <= vocab_size <= num_rows:
-        raise ValueError(
-            f"vocab_size must be in [1, {num_rows}] (the table's rows), got {vocab_size}"
-        )
-    if padding_idx is not None and not 0 <= padding_idx < vocab_size:
-        raise ValueError(
-            f"padding_idx must be in [0, {vocab_size}) (the vocabulary), got {padding_idx}"
-        )
-
-
-def runs_on_one_device(mesh: Any, *specs: Any) -> bool:
-    """No mesh, or a one-device mesh with no layout asked for: no kernel needed."""
-    return mesh is None or (mesh.size == 1 and all(s is None for s in specs))
 
 
 def embedding(
@@ -447,13 +284,14 @@ def embedding(
       >>> out.shape, out.sharding.spec == P("data", None, None)
       ((4, 16, 8), True)
     """
-    return lookup(
-        x, weight, padding_idx=padding_idx, vocab_size=vocab_size, mesh=mesh, x_spec=x_spec,
+    options = LookupOptions(
+        padding_idx=padding_idx, vocab_size=vocab_size, mesh=mesh, x_spec=x_spec,
         weight_spec=weight_spec, out_spec=out_spec,
         exchange=exchange if gradient_exchange is None else gradient_exchange,
         row_sharding=row_sharding, capacity=capacity, capacity_factor=capacity_factor,
         return_stats=return_stats, impl=impl,
     )  # fmt: skip
+    return run_lookup(x, weight, options)
 
 
 def lookup(
@@ -483,37 +321,49 @@ def lookup(
     `inputs_sharding`, also applied to a `[1, 1]` decoding batch); `function` and
     `table_advice` word the warnings for the caller's own API.
     """
+    options = LookupOptions(
+        padding_idx=padding_idx, vocab_size=vocab_size, mesh=mesh, x_spec=x_spec,
+        weight_spec=weight_spec, out_spec=out_spec, exchange=exchange,
+        row_sharding=row_sharding, capacity=capacity, capacity_factor=capacity_factor,
+        return_stats=return_stats, impl=impl, x_hint=x_hint, function=function,
+        table_advice=table_advice, ids_advice=ids_advice,
+    )  # fmt: skip
+    return run_lookup(x, weight, options)
+
+
+def run_lookup(x: jax.Array, weight: jax.Array, options: LookupOptions) -> Any:
+    """`embedding` of `x` in `weight` with its keywords as one `LookupOptions`.
+
+    Raises:
+      As `embedding`.
+    """
     x = as_ids(x)
     check_table(weight)
-    mesh = resolve_mesh(mesh, weight, x)
-    if runs_on_one_device(mesh, x_spec, weight_spec, out_spec):
-        plan_vocab = weight.shape[0] if vocab_size is None else vocab_size
-        validate_scalars(plan_vocab, padding_idx, weight.shape[0])
+    mesh = resolve_mesh(options.mesh, weight, x)
+    plan_vocab = options.vocab_of(weight.shape[0])
+    if runs_on_one_device(mesh, options.x_spec, options.weight_spec, options.out_spec):
+        validate_scalars(plan_vocab, options.padding_idx, weight.shape[0])
         check_ids_eagerly(x, plan_vocab)
-        out = dense_lookup(x, whole_on_one_device(weight), plan_vocab, padding_idx)
-        return _with_stats(out, return_stats)
-    weight_spec, x_spec = resolve_layouts(
-        x, weight, mesh, x_spec=x_spec, weight_spec=weight_spec, x_hint=x_hint,
-        function=function, table_advice=table_advice, ids_advice=ids_advice,
-    )  # fmt: skip
+        out = dense_lookup(x, whole_on_one_device(weight), plan_vocab, options.padding_idx)
+        return with_stats(out, options.return_stats)
+    weight_spec, x_spec = resolve_layouts(x, weight, mesh, **options.layout_kwargs())
     if weight_spec is None:  # the table's layout is unknown: XLA's lookup, never a gather
-        plan_vocab = weight.shape[0] if vocab_size is None else vocab_size
-        validate_scalars(plan_vocab, padding_idx, weight.shape[0])
-        return _with_stats(dense_lookup(x, weight, plan_vocab, padding_idx), return_stats)
+        validate_scalars(plan_vocab, options.padding_idx, weight.shape[0])
+        out = dense_lookup(x, weight, plan_vocab, options.padding_idx)
+        return with_stats(out, options.return_stats)
     plan = plan_embedding(
         mesh, x.shape, weight.shape, x_spec=x_spec, weight_spec=weight_spec,
-        out_spec=out_spec, padding_idx=padding_idx, vocab_size=vocab_size,
-        dtype=weight.dtype, ids_dtype=x.dtype, exchange=exchange, row_sharding=row_sharding,
-        capacity=capacity, capacity_factor=capacity_factor, impl=impl,
+        out_spec=options.out_spec, dtype=weight.dtype, ids_dtype=x.dtype,
+        exchange=options.exchange, **options.plan_kwargs(),
     )  # fmt: skip
     check_ids_eagerly(x, plan.vocab_size)
     if x.size == 0:  # no id: nothing to look up, and no collective lowers over zero slots
         out = zeros_like_output(
             plan.out_shape, weight.dtype, mesh, plan.out_spec, weight, plan.weight_spec
         )
-        return _with_stats(out, return_stats)
+        return with_stats(out, options.return_stats)
     if not isinstance(x, jax.core.Tracer):
         x = move(x, mesh, plan.x_spec)  # a concrete array is put where x_spec says
     run = _lookup_jit if eager(x, weight) else _lookup
     out, overflow = run(plan, mesh, x, weight)
-    return (out, LookupStats(overflow)) if return_stats else out
+    return (out, LookupStats(overflow)) if options.return_stats else out

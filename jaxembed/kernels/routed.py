@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxembed.kernels import local as local_ops
+from jaxembed.kernels.select import kernels_for
 from jaxembed.plan import EmbeddingPlan
 
 __all__ = ["Buckets", "bucketize", "overflowed", "route_grads", "route_rows"]
@@ -123,7 +124,7 @@ def route_rows(plan: EmbeddingPlan, table: jax.Array, buckets: Buckets) -> jax.A
     local, valid = local_ops.local_rows(plan, recv)
     n, c = recv.shape
     rows = (
-        local_ops.kernels_for(plan)
+        kernels_for(plan)
         .gather_rows(table, local.reshape(-1), (valid & (recv >= 0)).reshape(-1))
         .reshape(n, c, -1)
     )  # f[n_S, C, H/K]

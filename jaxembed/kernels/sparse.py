@@ -22,7 +22,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["apply_rows", "dedup_rows", "row_sum_over"]
+from jaxembed.kernels.local import scaled_bag_grads
+
+__all__ = ["apply_rows", "bag_apply_rows", "dedup_rows", "row_sum_over"]
 
 
 def dedup_rows(local: jax.Array, valid: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
@@ -104,3 +106,35 @@ def apply_rows(
     pairs = zip(slots, new_state, strict=True)
     slots = tuple(s.at[unique].set(n.astype(s.dtype), **put) for s, n in pairs)
     return table, slots
+
+
+def bag_apply_rows(
+    formula: Any,
+    table: jax.Array,
+    slots: tuple[jax.Array, ...],
+    count: jax.Array,
+    local: jax.Array,
+    valid: jax.Array,
+    segments: jax.Array,
+    scale: jax.Array,
+    out_grad: jax.Array,
+    *,
+    hidden_size: int,
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """`apply_rows` of the bag slots' gradients `scale[i] · out_grad[segments[i]]`.
+
+    The XLA twin of `jaxembed.kernels.native.bag_apply_rows` (whole rows on each device): the
+    `[M, H]` slot gradients (`jaxembed.kernels.local.scaled_bag_grads`), then `apply_rows`.
+
+    Args:
+      formula, table, slots, count, local, valid, hidden_size: as `apply_rows`.
+      segments: int32[M] each slot's bag.
+      scale: f32[M] each slot's factor.
+      out_grad: f[S, H] the pooled output's cotangent.
+
+    Returns:
+      The new shard and state.
+    """
+    grads = scaled_bag_grads(segments, scale, out_grad)
+    return apply_rows(formula, table, slots, count, local, valid, grads, hidden_axes=(),
+                      hidden_size=hidden_size)  # fmt: skip

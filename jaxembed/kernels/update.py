@@ -21,12 +21,13 @@ import jax.numpy as jnp
 from jaxembed.kernels import local as local_ops
 from jaxembed.kernels import routed as routed_ops
 from jaxembed.kernels.bag import exchanged_slot_grads, moved_bags, pool
-from jaxembed.kernels.lookup import out_grad_to_body
+from jaxembed.kernels.common import out_grad_to_body
 from jaxembed.kernels.reshard import apply_moves, gather
+from jaxembed.kernels.select import kernels_for, native_update
 from jaxembed.kernels.sparse import apply_rows
 from jaxembed.plan import EmbeddingPlan
 
-__all__ = ["after", "sparse_update"]
+__all__ = ["after", "sparse_update", "update_body"]
 
 
 def _plain_update(plan: EmbeddingPlan, given, out_grad, consume):
@@ -59,18 +60,22 @@ def _plain_update(plan: EmbeddingPlan, given, out_grad, consume):
     return consume(*local_ops.local_rows(plan, ids), out_grad), jnp.zeros((), jnp.int32)
 
 
-def _update_body(plan: EmbeddingPlan, formula: Any, num_slots: int, *arrays):
+def update_body(plan: EmbeddingPlan, formula: Any, num_slots: int, *arrays):
     """`((table, slots), overflow)`: the updated shard and state, and whether the routed
-    exchange fell back to the gather exchange in this step."""
+    exchange fell back to the gather exchange in this step.
+
+    The body of `sparse_update`, on one device's blocks; a one-device update (no mesh) calls
+    it as it is, without a `shard_map`.
+    """
     # table f[V/R, H/K], slots f32[V/R(, H/K)]..., count i32[], operands as given, out_grad
     table, *rest = arrays
     slots, (count, *given, out_grad) = tuple(rest[:num_slots]), rest[num_slots:]
     hidden_local = table.shape[1]
 
-    native = local_ops.native_update(plan)
-    apply = local_ops.kernels_for(plan).apply_rows if native else apply_rows
+    native = native_update(plan)
+    apply = kernels_for(plan).apply_rows if native else apply_rows
     if not native and plan.impl == "native":  # a split hidden axis: only the dedup is native
-        apply = functools.partial(apply_rows, dedup=local_ops.kernels_for(plan).dedup_rows)
+        apply = functools.partial(apply_rows, dedup=kernels_for(plan).dedup_rows)
 
     def consume(local, here, grads):
         return apply(
@@ -87,7 +92,7 @@ def _update_body(plan: EmbeddingPlan, formula: Any, num_slots: int, *arrays):
     if native:
 
         def fused(s, og):  # the bag's backward and the update in one pass, no [M, H] buffer
-            return local_ops.kernels_for(plan).bag_apply_rows(
+            return kernels_for(plan).bag_apply_rows(
                 formula, table, slots, count, s.local, s.here, s.segment, s.scale, og,
                 hidden_size=plan.weight_shape[1],
             )  # fmt: skip
@@ -138,7 +143,7 @@ def sparse_update(
         plan.weight_spec, *slot_specs, P(), *(op.given for op in plan.operands), ct_spec,
     )  # fmt: skip
     body = jax.shard_map(
-        functools.partial(_update_body, plan, formula, len(slots)),
+        functools.partial(update_body, plan, formula, len(slots)),
         mesh=mesh,
         in_specs=in_specs,
         out_specs=((plan.weight_spec, slot_specs), P()),

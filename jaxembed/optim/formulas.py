@@ -138,6 +138,38 @@ class RowFormula:
             jnp.full(slot.shape(num_rows, hidden), slot.init, dtype) for slot in self.slots
         )
 
+    def learning_rate_at(self, count: Any) -> Any:
+        """f32[]: the learning rate of the update after `count` updates (a schedule's value).
+
+        Examples:
+          >>> float(sgd(lambda count: 0.5 / (count + 1)).learning_rate_at(1))
+          0.25
+        """
+        lr = self.hparams["learning_rate"]
+        return jnp.asarray(lr(count) if callable(lr) else lr, jnp.float32)
+
+    def step_scalars(self, count: Any) -> Any:
+        """f32[3]: the per-step scalars every row's update shares, `lr, 1 - b1^t, 1 - b2^t`.
+
+        `lr` is `learning_rate_at(count)` and t = count + 1 (the bias corrections are 1 for
+        the optimizers without moments), computed as `apply` computes them: a kernel that
+        runs the formula elsewhere (`jaxembed.kernels.native`) takes them as its operand.
+
+        Examples:
+          >>> adam(0.1, b1=0.5, b2=0.5).step_scalars(0).tolist()
+          [0.10000000149011612, 0.5, 0.5]
+          >>> sgd(0.1).step_scalars(3).tolist()[1:]
+          [1.0, 1.0]
+        """
+        h = self.hparams
+        step = jnp.asarray(count, jnp.float32) + 1.0
+        one = jnp.float32(1.0)
+        moments = self.name in ("adam", "partial_rowwise_adam")
+        bc1 = _one_minus_pow(h["b1"], step) if moments else one
+        bc2 = _one_minus_pow(h["b2"], step) if moments else one
+        scalars = (self.learning_rate_at(count), bc1, bc2)
+        return jnp.stack([jnp.asarray(x, jnp.float32).reshape(()) for x in scalars])
+
     def apply(
         self,
         rows: Any,
@@ -184,8 +216,7 @@ class RowFormula:
                 f"the local columns {rows.shape[1]}"
             )
         h = self.hparams
-        lr = h["learning_rate"]
-        lr = jnp.asarray(lr(count) if callable(lr) else lr, jnp.float32)
+        lr = self.learning_rate_at(count)
         f32 = [jnp.asarray(s, jnp.float32) for s in states]
         w, g = jnp.asarray(rows, jnp.float32), jnp.asarray(grads, jnp.float32)
         step = jnp.asarray(count, jnp.float32) + 1.0

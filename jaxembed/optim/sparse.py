@@ -26,11 +26,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxembed.ids import as_ids
 from jaxembed.kernels.arrays import eager, is_explicit, move, resolve_mesh, stated_spec
-from jaxembed.kernels.bag import prepare_bags
-from jaxembed.kernels.lookup import check_table, cotangent_spec, resolve_layouts
-from jaxembed.kernels.update import _update_body, sparse_update
-from jaxembed.kernels.update import after as _after  # `update`'s `after=` shadows it
+from jaxembed.kernels.bag import Bags, prepare_bags
+from jaxembed.kernels.common import check_table, companion_spec, cotangent_spec, resolve_layouts
+from jaxembed.kernels.options import LookupOptions
 from jaxembed.kernels.update import after as after
+from jaxembed.kernels.update import sparse_update, update_body
 from jaxembed.optim.formulas import RowFormula
 from jaxembed.plan import EmbeddingPlan, plan_embedding, plan_embedding_bag
 from jaxembed.ragged import check_weights_allowed
@@ -172,50 +172,63 @@ class RowSparseOptimizer:
           ValueError: as the lookup, and `exchange="dense"`.
         """
         if after is not None:  # the in-place write waits for the step's reads of the table
-            out_grad = _after(out_grad, after)
+            out_grad = _order_after(out_grad, after)
         check_table(table)
-        if gradient_exchange is not None:
-            exchange = gradient_exchange
         is_bag = (
             any(v is not None for v in (lengths, offsets, per_id_weights, combiner))
             or include_last_offset
         )
+        options = LookupOptions(
+            padding_idx=padding_idx, vocab_size=vocab_size, mesh=mesh, x_spec=x_spec,
+            weight_spec=weight_spec, out_spec=out_spec,
+            exchange=exchange if gradient_exchange is None else gradient_exchange,
+            row_sharding=row_sharding, capacity=capacity, capacity_factor=capacity_factor,
+            impl=impl, combiner=(combiner or "sum") if is_bag else None,
+            include_last_offset=include_last_offset, x_hint=x_hint, function="opt.update",
+        )  # fmt: skip
+        bags = None
         if is_bag:
             bags = prepare_bags(x, lengths, offsets, per_id_weights, include_last_offset)
+        return self._update(table, state, x, bags, out_grad, options)
+
+    def _update(
+        self,
+        table: jax.Array,
+        state: RowSparseState,
+        x: Any,
+        bags: Bags | None,
+        out_grad: jax.Array,
+        options: LookupOptions,
+    ) -> tuple[jax.Array, RowSparseState]:
+        """`update` with its keywords as one `LookupOptions` (`bags`: `prepare_bags`'s, or
+        None for a lookup that pools nothing)."""
+        if bags is not None:
             operands, ids = bags.operands(), bags.ids
-            combiner = combiner or "sum"
-            check_weights_allowed(combiner, bags.weights is not None)
+            check_weights_allowed(options.combiner, bags.weights is not None)
         else:
             ids = as_ids(x)
-            operands, bags = (ids,), None
-        mesh = resolve_mesh(mesh, table, ids)
-        common = dict(
-            padding_idx=padding_idx, vocab_size=vocab_size, dtype=table.dtype,
-            ids_dtype=ids.dtype, row_sharding=row_sharding, update=True, capacity=capacity,
-            capacity_factor=capacity_factor, impl=impl,
-        )  # fmt: skip
+            operands = (ids,)
+        mesh = resolve_mesh(options.mesh, table, ids)
+        x_spec, weight_spec = options.x_spec, options.weight_spec
         if mesh is None or (mesh.size == 1 and x_spec is None and weight_spec is None):
-            plan = self._plan(AbstractMesh((1,), ("_",)), ids, table, bags, combiner, P(), P(),
-                              None, "auto", common)  # fmt: skip
+            plan = self._plan(AbstractMesh((1,), ("_",)), ids, table, bags, options, P(), P(),
+                              None, "auto")  # fmt: skip
             _check_out_grad(plan, out_grad, bags)
             slots = tuple(state.slots[s.name] for s in self.formula.slots)
             if ids.size == 0:
                 return table, self._state(state, slots, jnp.zeros((), jnp.int32))
-            (new_table, new_slots), overflow = _update_body(
+            (new_table, new_slots), overflow = update_body(
                 plan, self.formula, len(slots), table, *slots, state.count, *operands, out_grad
             )
             return new_table, self._state(state, new_slots, overflow)
-        weight_spec, x_spec = resolve_layouts(
-            ids, table, mesh, x_spec=x_spec, weight_spec=weight_spec, x_hint=x_hint,
-            function="opt.update",
-        )  # fmt: skip
+        weight_spec, x_spec = resolve_layouts(ids, table, mesh, **options.layout_kwargs())
         if weight_spec is None:
             raise ValueError(
                 "opt.update: the table is traced in an Auto mesh and its layout is unknown; the "
                 "row-sparse update runs in the table's layout: pass weight_spec=PartitionSpec(...)"
             )
-        plan = self._plan(mesh, ids, table, bags, combiner, x_spec, weight_spec, out_spec,
-                          exchange, common)  # fmt: skip
+        plan = self._plan(mesh, ids, table, bags, options, x_spec, weight_spec,
+                          options.out_spec, options.exchange)  # fmt: skip
         _check_out_grad(plan, out_grad, bags)
         if ids.size == 0:  # no id touched a row: the table and its slots are unchanged
             slots = tuple(state.slots[s.name] for s in self.formula.slots)
@@ -233,22 +246,21 @@ class RowSparseOptimizer:
         )
         return new_table, self._state(state, new_slots, overflow)
 
-    def _plan(self, mesh, ids, table, bags, combiner, x_spec, weight_spec, out_spec, exchange,
-              common) -> EmbeddingPlan:  # fmt: skip
+    def _plan(self, mesh, ids, table, bags, options, x_spec, weight_spec, out_spec,
+              exchange) -> EmbeddingPlan:  # fmt: skip
+        common = dict(
+            x_spec=x_spec, weight_spec=weight_spec, out_spec=out_spec, exchange=exchange,
+            dtype=table.dtype, ids_dtype=ids.dtype, update=True, **options.plan_kwargs(),
+        )  # fmt: skip
         if bags is None:
-            return plan_embedding(
-                mesh, ids.shape, table.shape, x_spec=x_spec, weight_spec=weight_spec,
-                out_spec=out_spec, exchange=exchange, **common,
-            )  # fmt: skip
-        from jaxembed.kernels.bag import _companion_spec
-
+            return plan_embedding(mesh, ids.shape, table.shape, **common)
         return plan_embedding_bag(
             mesh, ids.shape, table.shape,
             num_bags=None if bags.lengths is None else bags.lengths.shape[-1],
-            combiner=combiner, weighted=bags.weights is not None, x_spec=x_spec,
-            lengths_spec=_companion_spec(bags.lengths, mesh, x_spec) if x_spec else None,
-            weights_spec=_companion_spec(bags.weights, mesh, x_spec) if x_spec else None,
-            weight_spec=weight_spec, out_spec=out_spec, exchange=exchange, **common,
+            combiner=options.combiner, weighted=bags.weights is not None,
+            lengths_spec=companion_spec(bags.lengths, mesh, x_spec) if x_spec else None,
+            weights_spec=companion_spec(bags.weights, mesh, x_spec) if x_spec else None,
+            **common,
         )  # fmt: skip
 
     def _state(self, state: RowSparseState, slots, overflow) -> RowSparseState:
@@ -294,6 +306,9 @@ def _check_out_grad(plan: EmbeddingPlan, out_grad: Any, bags: Any) -> None:
         f"{plan.weight_shape[1]}): pass the gradient of the lookup's output{hint}"
     )
 
+
+# `update`'s `after=` keyword shadows `after` inside it.
+_order_after = after
 
 # An eager update: one compiled program rather than a `shard_map` run op by op.
 _sparse_update_jit = jax.jit(sparse_update, static_argnums=(0, 1, 2, 8))

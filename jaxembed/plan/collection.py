@@ -33,9 +33,8 @@ import numpy as np
 from jaxembed.collection.config import FeatureConfig, TableConfig, check_configs
 from jaxembed.plan import cost
 from jaxembed.plan.collection_cost import CallCost, Context, LayoutCost, LayoutError, evaluate
-from jaxembed.plan.format import format_bytes
 from jaxembed.plan.idstats import IdStats
-from jaxembed.plan.phases import backend_of
+from jaxembed.plan.specs import backend_of, format_bytes
 
 __all__ = ["CollectionPlan", "TablePlan", "parse_bytes", "plan_collection"]
 
@@ -141,11 +140,6 @@ class CollectionPlan:
     def forward_bytes(self) -> float:
         """Wire bytes per device of the collection's lookup (every call's forward)."""
         return float(sum(c.forward_bytes for c in self.calls))
-
-    def __str__(self) -> str:
-        from jaxembed.plan.collection_format import format_collection_plan
-
-        return format_collection_plan(self)
 
 
 def parse_bytes(value: Any) -> int:

@@ -1,7 +1,7 @@
 """The modelled step and memory of one layout of a collection: the planner's inner loop.
 
 A layout (`jaxembed.collection.layout_collection`) makes one `embedding_bag` call per stack
-and combiner (max-pooled features apart), exactly as `jaxembed.collection.lookup` runs it:
+and combiner (max-pooled features apart), exactly as `jaxembed.kernels.collection` runs it:
 pooled features of similar widths stacked `[batch, F, max_ids]` (the dense form), others'
 dense ids side by side, `[batch, Σ max_ids]`, one bag per pooled feature and one per slot of
 an unpooled one, lengths made on the device (replicated); weighted (the combiners' per-slot
@@ -39,6 +39,7 @@ from jaxembed.collection.layout import CollectionLayout, Stack, layout_collectio
 from jaxembed.plan import cost
 from jaxembed.plan.idstats import IdStats, distinct_draws, effective_vocab
 from jaxembed.plan.lookup import plan_embedding_bag
+from jaxembed.plan.specs import spec_entry
 from jaxembed.plan.types import EmbeddingPlan
 
 __all__ = ["CallCost", "Context", "LayoutCost", "LayoutError", "evaluate"]
@@ -64,11 +65,11 @@ class Context:
 
     @property
     def x_spec(self) -> P:
-        return P(_entry(self.batch_axes))
+        return P(spec_entry(self.batch_axes))
 
     @property
     def out_spec(self) -> P:
-        return P(_entry(self.batch_axes), None, None)
+        return P(spec_entry(self.batch_axes), None, None)
 
     def mean_ids(self, f: FeatureConfig) -> float:
         """A feature's ids per bag: measured, else every slot full."""
@@ -83,10 +84,6 @@ class Context:
         if s is None or t.name not in s.ids_per_batch:
             return float(t.vocab_size)
         return effective_vocab(s.ids_per_batch[t.name], s.unique_per_batch[t.name], t.vocab_size)
-
-
-def _entry(axes: Sequence[str]) -> Any:
-    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
 def _norm(spec: P, rank: int) -> tuple:

@@ -13,9 +13,12 @@ import dataclasses
 import math
 
 from jaxembed.plan import cost
+from jaxembed.plan.layouts import GRAD_ACCUM_BYTES, collective, operand_has_dim
 from jaxembed.plan.moves import local_shape
-from jaxembed.plan.phases import GRAD_ACCUM_BYTES, collective, itemsize, prod
+from jaxembed.plan.specs import format_bytes, itemsize, prod
 from jaxembed.plan.types import Collective, ExchangeCandidate
+
+__all__ = ["Geometry", "choose_exchange", "operand_has_dim", "rows_gathers"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,12 +43,6 @@ class Geometry:
     is_bag: bool
     is_max: bool
     gathers: tuple
-
-
-def operand_has_dim(op_ndim: int, dim: int, is_bag: bool) -> bool:
-    """Whether a batch operand of rank `op_ndim` has output batch axis `dim` (bags: not the
-    pooled axis, and not the bag axis of the flat form)."""
-    return not is_bag or dim < op_ndim - 1
 
 
 def rows_gathers(g: Geometry) -> tuple[list[Collective], int]:
@@ -184,8 +181,8 @@ def choose_exchange(
             reason = (
                 f"{chosen} models {best[0].modelled_ms:.3f} ms, "
                 + ", ".join(f"{o.name} {o.modelled_ms:.3f} ms" for o in others)
-                + f" ({_bytes_text(best[0].wire_bytes)} vs "
-                + ", ".join(_bytes_text(o.wire_bytes) for o in others)
+                + f" ({format_bytes(best[0].wire_bytes)} vs "
+                + ", ".join(format_bytes(o.wire_bytes) for o in others)
                 + ")"
             )
         else:
@@ -209,9 +206,3 @@ def choose_exchange(
     candidate_list = tuple(o[0] for o in options.values())
     _, collectives, buffers = options[chosen]
     return chosen, reason, candidate_list, list(collectives), buffers
-
-
-def _bytes_text(n: float) -> str:
-    from jaxembed.plan.format import format_bytes
-
-    return format_bytes(n)

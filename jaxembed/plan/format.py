@@ -1,26 +1,33 @@
-"""`str(plan)`: an `EmbeddingPlan` as a readable table (what `jaxembed plan` prints)."""
+"""Every formatter of the plans: what `str(plan)`, `jaxembed plan` and `--tables` print.
+
+* `format_plan`: an `EmbeddingPlan` as a readable table;
+* `format_collection_plan`: a `CollectionPlan`, in the spirit of TorchRec's planner
+  statistics: one row per table (placement, exchange, bytes, modelled time, memory, why),
+  one per `embedding_bag` call, and one per device (what it holds, the buffers, the peak
+  against the budget);
+* `format_cross_entropy_plan`: a `CrossEntropyPlan`; `format_id_stats`: an `IdStats`;
+* `format_bytes`: bytes for people (`jaxembed.plan.specs`, where the plans' own messages
+  use it).
+
+The formatters import the plans they print; no plan module imports them. The face
+`jaxembed.plan` makes them the plans' `__str__`.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from jaxembed.plan.collection import CollectionPlan
+from jaxembed.plan.cross_entropy import CrossEntropyPlan
+from jaxembed.plan.idstats import IdStats
+from jaxembed.plan.specs import format_bytes
+from jaxembed.plan.types import EmbeddingPlan
 
-if TYPE_CHECKING:
-    from jaxembed.plan.lookup import EmbeddingPlan
-
-__all__ = ["format_bytes", "format_plan"]
-
-
-def format_bytes(n: float) -> str:
-    """Bytes for people: `512 B`, `4.0 KiB`, `1.3 MiB`, `2.0 GiB`.
-
-    >>> format_bytes(1536), format_bytes(3 * 2**20)
-    ('1.5 KiB', '3.0 MiB')
-    """
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError
+__all__ = [
+    "format_bytes",
+    "format_collection_plan",
+    "format_cross_entropy_plan",
+    "format_id_stats",
+    "format_plan",
+]
 
 
 def format_plan(plan: EmbeddingPlan) -> str:
@@ -98,4 +105,89 @@ def format_plan(plan: EmbeddingPlan) -> str:
         + f"exchange buffers {format_bytes(m.exchange_buffers)}"
     )
     lines.append(f"  kernels: {plan.impl}")
+    return "\n".join(lines)
+
+
+_MAX_ROWS = 16  # of the per-device table
+
+
+def format_collection_plan(plan: CollectionPlan) -> str:
+    """The plan as a readable table (what `str(plan)` and `jaxembed plan --tables` print)."""
+    mesh = " x ".join(f"{n}={s}" for n, s in plan.mesh_axes)
+    over = ", ".join(plan.batch_axes) or "no axis"
+    lines = [
+        f"CollectionPlan  mesh: {mesh}  batch {plan.batch_size} over ({over})  "
+        f"backend {plan.backend}",
+        f"  modelled step {plan.step_ms:.3f} ms (slowest device); peak memory "
+        f"{format_bytes(plan.peak_bytes)} of {format_bytes(plan.memory_per_device)} per device",
+        f"  ids: {plan.ids}; {plan.evaluations} layouts priced; "
+        f"EmbeddingBagCollection(..., placements=plan, exchange={plan.exchange!r})",
+        "",
+        f"  {'table':<16} {'rows x dim':>18}  {'placement':<11}{'rows by':<8}{'exchange':<9}"
+        f"{'wire/step':>11}{'ms':>9}{'mem/device':>12}  why",
+    ]
+    for t in plan.tables:
+        by = t.row_sharding if t.placement in ("rows", "table_rows") else "-"
+        lines.append(
+            f"  {t.name:<16} {f'{t.vocab_size} x {t.dim}':>18}  {t.placement:<11}"
+            f"{by:<8}{t.exchange:<9}{format_bytes(t.wire_bytes):>11}"
+            f"{t.modelled_ms:>9.3f}{format_bytes(t.memory_bytes):>12}  {t.reason}"
+        )
+    lines += ["", f"  {'call':<48} {'ids':>12} {'bags':>5}  {'exchange':<9}{'forward':>11}"
+              f"{'step':>11}{'ms':>9}"]  # fmt: skip
+    for c in plan.calls:
+        label = f"{c.stack_name} {c.combiner}"
+        lines.append(
+            f"  {label:<48} {f'{list(c.x_shape)}':>12} {c.num_bags:>5}  {c.exchange:<9}"
+            f"{format_bytes(c.forward_bytes):>11}{format_bytes(c.wire_bytes):>11}"
+            f"{c.modelled_ms:>9.3f}" + (f"  ({c.note})" if c.note else "")
+        )
+    lines += ["", f"  {'device':<8}{'tables+state used':>18}{'allocated':>12}{'buffers':>12}"
+              f"{'peak':>12}{'update ms':>11}"]  # fmt: skip
+    rows: list[list] = []  # devices with the same figures share a row
+    for d, (used, update) in enumerate(zip(plan.used_bytes, plan.update_ms, strict=True)):
+        if rows and rows[-1][1:] == [used, round(update, 3)]:
+            rows[-1][0][1] = d
+        else:
+            rows.append([[d, d], used, round(update, 3)])
+    for (first, last), used, update in rows[:_MAX_ROWS]:
+        name = f"{first}" if first == last else f"{first}-{last}"
+        lines.append(
+            f"  {name:<8}{format_bytes(used):>18}{format_bytes(plan.allocated_bytes):>12}"
+            f"{format_bytes(plan.buffer_bytes):>12}{format_bytes(plan.peak_bytes):>12}"
+            f"{update:>11.3f}"
+        )
+    if len(rows) > _MAX_ROWS:
+        used = plan.used_bytes
+        lines.append(f"  ... {len(rows) - _MAX_ROWS} more rows; used from "
+                     f"{format_bytes(min(used))} to {format_bytes(max(used))}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def format_cross_entropy_plan(plan: CrossEntropyPlan) -> str:
+    """A readable table of a cross-entropy's plan (what `str(plan)` prints)."""
+    mesh = " x ".join(f"{n}={s}" for n, s in plan.mesh_axes) or "one device"
+    lines = [
+        f"CrossEntropyPlan  mesh: {mesh}",
+        f"  table   {list(plan.table_shape)}  vocab {plan.vocab_size}  layout "
+        f"{plan.weight_spec}  rows per device {plan.rows_per_shard} in "
+        f"{plan.num_chunks} chunk(s) of {plan.chunk_rows}",
+        f"  hidden  {list(plan.hidden_shape)}  given {plan.given_hidden_spec}  runs as "
+        f"{plan.hidden_spec}",
+        f"  loss    {plan.out_spec}  logits block per device f32"
+        f"[{plan.local_tokens}, {plan.chunk_rows}]",
+    ]
+    for phase, op, axes, operand in plan.collectives:
+        lines.append(f"  {phase:<9}{op:<12}{','.join(axes):<16}{operand}")
+    return "\n".join(lines)
+
+
+def format_id_stats(stats: IdStats) -> str:
+    """A sample's id statistics, per feature and per table (what `str(stats)` prints)."""
+    lines = [f"IdStats  {stats.num_batches} batches of {stats.batch_size:g} examples"]
+    for name, n in stats.ids_per_bag.items():
+        lines.append(f"  feature {name:<20} {n:8.2f} ids per bag")
+    for name, n in stats.ids_per_batch.items():
+        lines.append(f"  table   {name:<20} {n:10.0f} ids, {stats.unique_per_batch[name]:10.0f} "
+                     f"distinct per batch (x{stats.duplication(name):.2f})")  # fmt: skip
     return "\n".join(lines)

@@ -94,15 +94,6 @@ class IdStats:
             return np.full(num_shards, 1.0 / num_shards)
         return np.mean(shares, axis=0)
 
-    def __str__(self) -> str:
-        lines = [f"IdStats  {self.num_batches} batches of {self.batch_size:g} examples"]
-        for name, n in self.ids_per_bag.items():
-            lines.append(f"  feature {name:<20} {n:8.2f} ids per bag")
-        for name, n in self.ids_per_batch.items():
-            lines.append(f"  table   {name:<20} {n:10.0f} ids, {self.unique_per_batch[name]:10.0f} "
-                         f"distinct per batch (x{self.duplication(name):.2f})")  # fmt: skip
-        return "\n".join(lines)
-
 
 def _real_ids(value: Any) -> tuple[np.ndarray, int]:
     """The ids a feature's input holds (`-1` padding and slots past a bag's length dropped),

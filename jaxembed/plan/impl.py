@@ -53,8 +53,8 @@ def resolve_impl(impl: str, backend: str, dtype: Any) -> str:
         return "xla"
     # The one place below the kernels that looks at them: which dtypes they take, and whether
     # the library can load (it is compiled on the first call, then cached; see
-    # jaxembed.kernels.native.build).
-    from jaxembed.kernels import native
+    # jaxembed._native.build).
+    from jaxembed import _native as native
 
     if not native.supports_dtype(dtype):
         if impl == "native":

@@ -7,7 +7,8 @@ mesh axes and its bytes. The kernels (`jaxembed.kernels`) execute a plan; they d
 nothing themselves.
 
 Derivation, with R the mesh axes that split the table's rows and K those that split its
-hidden axis, in phases (one function each below):
+hidden axis, in named steps (`plan_request` runs them on a normalized `PlanRequest`; the
+layouts' own functions are in `jaxembed.plan.layouts`):
 
 1. **table**: R and K from the table's spec; the rows must divide over R.
 2. **output**: the requested `out_spec`, or the ids' layout with K appended.
@@ -23,6 +24,11 @@ hidden axis, in phases (one function each below):
 6. **backward**: the transposes, then the cheapest of the exchanges that resolve the
    gradient's partial sum over B (`dense`, `rows`; `routed` when ids and rows share mesh
    axes), chosen by the cost model (`jaxembed.plan.cost`) or forced.
+7. **memory**: the per-device buffers of what runs.
+
+Steps 1-4 are `lookup_layout` (`validate_request` first), 5 and the backward's transposes
+`lookup_collectives`, 6 `choose_lookup_exchange` (with `routed_option` of
+`jaxembed.plan.routed`), 7 `lookup_memory`.
 """
 
 from __future__ import annotations
@@ -34,44 +40,59 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
-from jaxembed import layout
+from jaxembed import layout, rules
 from jaxembed.plan import cost
-from jaxembed.plan.exchange import Geometry, choose_exchange, operand_has_dim
+from jaxembed.plan.exchange import Geometry, choose_exchange
 from jaxembed.plan.impl import resolve_impl
-from jaxembed.plan.moves import local_shape, plan_moves
-from jaxembed.plan.phases import (
+from jaxembed.plan.layouts import (
     GRAD_ACCUM_BYTES,
-    as_spec,
     ask_rules,
-    backend_of,
     body_layout,
-    check_divides,
     collective,
+    make_operand,
+    move_collectives,
+    output_layout,
+    table_layout,
+)
+from jaxembed.plan.moves import local_shape, plan_moves
+from jaxembed.plan.routed import routed_option
+from jaxembed.plan.specs import (
+    as_spec,
+    backend_of,
+    check_divides,
     entries_spec,
     is_explicit_mesh,
     itemsize,
-    make_operand,
     mesh_sizes,
-    move_collectives,
     named,
-    output_layout,
     prod,
     spec_entries,
-    table_layout,
     validate_scalars,
 )
-from jaxembed.plan.routed import plan_routed
 from jaxembed.plan.types import (
     COMBINERS,
     BagGeometry,
     Collective,
     EmbeddingPlan,
-    ExchangeCandidate,
     MemoryEstimate,
 )
 
-__all__ = ["Exchange", "plan_embedding", "plan_embedding_bag"]
+__all__ = [
+    "Exchange",
+    "ExchangeChoice",
+    "LookupCollectives",
+    "LookupLayout",
+    "PlanRequest",
+    "choose_lookup_exchange",
+    "lookup_collectives",
+    "lookup_layout",
+    "lookup_memory",
+    "plan_embedding",
+    "plan_embedding_bag",
+    "plan_request",
+]
 
 Exchange = Literal["auto", "dense", "rows", "routed"]
 _EXCHANGES = ("auto", "dense", "rows", "routed")
@@ -116,7 +137,7 @@ def plan_embedding(
       vocab_size: the real rows (default `weight_shape[0]`); rows past it are padding.
       dtype: the table's element type; ids_dtype: the ids'.
       exchange: `"auto"` (the cost model's choice), `"dense"`, `"rows"` or `"routed"`.
-      gradient_exchange: the old name of `exchange` (round 1), still accepted.
+      gradient_exchange: the old name of `exchange`, still accepted.
       row_sharding: `"block"` (contiguous row blocks per shard) or `"mod"` (id i on shard
         i mod n, at local row i div n).
       backend: the platform whose cost constants decide `"auto"` (default: the mesh's).
@@ -260,129 +281,330 @@ def _plan(mesh, x_shape, weight_shape, *, x_spec, weight_spec, out_spec, padding
           optimizer_slots) -> EmbeddingPlan:  # fmt: skip
     names = layout.axis_names_of(mesh)
     sizes = dict(zip(names, mesh_sizes(mesh), strict=True))
-    return _plan_cached(
-        tuple(sizes.items()),
-        is_explicit_mesh(mesh),
-        tuple(int(d) for d in x_shape),
-        tuple(int(d) for d in weight_shape),
-        as_spec(x_spec),
-        as_spec(weight_spec),
-        None if out_spec is None else as_spec(out_spec),
-        padding_idx,
-        vocab_size,
-        np.dtype(dtype).name,
-        np.dtype(ids_dtype).name,
-        exchange,
-        row_sharding,
-        backend or backend_of(mesh),
-        bag,
-        as_spec(lengths_spec),
-        as_spec(weights_spec),
-        bool(update),
-        capacity,
-        capacity_factor,
-        resolve_impl(impl, backend or backend_of(mesh), dtype),
-        tuple(bool(x) for x in optimizer_slots),
+    backend = backend or backend_of(mesh)
+    request = PlanRequest(
+        mesh_axes=tuple(sizes.items()),
+        explicit=is_explicit_mesh(mesh),
+        x_shape=tuple(int(d) for d in x_shape),
+        weight_shape=tuple(int(d) for d in weight_shape),
+        x_spec=as_spec(x_spec),
+        weight_spec=as_spec(weight_spec),
+        out_spec=None if out_spec is None else as_spec(out_spec),
+        padding_idx=padding_idx,
+        vocab_size=vocab_size,
+        dtype=np.dtype(dtype).name,
+        ids_dtype=np.dtype(ids_dtype).name,
+        exchange=exchange,
+        row_sharding=row_sharding,
+        backend=backend,
+        bag=bag,
+        lengths_spec=as_spec(lengths_spec),
+        weights_spec=as_spec(weights_spec),
+        update=bool(update),
+        capacity=capacity,
+        capacity_factor=capacity_factor,
+        impl=resolve_impl(impl, backend, dtype),
+        optimizer_slots=tuple(bool(x) for x in optimizer_slots),
     )
+    return plan_request(request)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+    """A lookup's arguments, normalized: what a plan is derived from (and cached on).
+
+    The fields are `plan_embedding_bag`'s, with the mesh as `mesh_axes` (`((name, size),
+    ...)`) and `explicit` (all its axes `AxisType.Explicit`), specs as `PartitionSpec`s,
+    dtypes as names, `backend` and `impl` resolved.
+    """
+
+    mesh_axes: tuple[tuple[str, int], ...]
+    explicit: bool
+    x_shape: tuple[int, ...]
+    weight_shape: tuple[int, ...]
+    x_spec: P
+    weight_spec: P
+    out_spec: P | None
+    padding_idx: Any
+    vocab_size: Any
+    dtype: str
+    ids_dtype: str
+    exchange: str
+    row_sharding: str
+    backend: str
+    bag: BagGeometry | None
+    lengths_spec: P
+    weights_spec: P
+    update: bool
+    capacity: int | None
+    capacity_factor: float | None
+    impl: str
+    optimizer_slots: tuple[bool, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.mesh_axes)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.mesh_axes)
+
+    @property
+    def is_max(self) -> bool:
+        return self.bag is not None and self.bag.combiner == "max"
+
+
+@dataclasses.dataclass(frozen=True)
+class LookupLayout:
+    """The layouts of a lookup, from the table to the body, and the rules' answer on them.
+
+    Attributes:
+      row_axes, hidden_axes: R and K; num_rows, hidden: the table's shape; vocab_size: its
+        real rows.
+      x_dm: the ids' given layout, one entry per ids axis; out_batch: the output's shape
+        without its hidden axis.
+      out_entries, unreduced, out_spec: the output's layout as returned.
+      kept, scatters, body_entries: per output batch axis, the prefix the body runs on; the
+        forward's `psum_scatter`s; the layout the body produces.
+      ids_entries, bag_split: the layout the ids run in; the axes splitting a flat bag's
+        bags.
+      forward_rule, grad_rule: the rules' answers; batch_axes: B; psum_axes: the R axes
+        the forward sums over; body_out_spec: `body_entries` as a spec.
+    """
+
+    row_axes: tuple[str, ...]
+    hidden_axes: tuple[str, ...]
+    num_rows: int
+    hidden: int
+    vocab_size: int
+    x_dm: list
+    out_batch: tuple[int, ...]
+    out_entries: list
+    unreduced: tuple[str, ...]
+    out_spec: P
+    kept: list
+    scatters: list
+    body_entries: list
+    ids_entries: list
+    bag_split: tuple[str, ...]
+    forward_rule: rules.SpmdInfo
+    grad_rule: rules.SpmdInfo
+    batch_axes: tuple[str, ...]
+    psum_axes: tuple[str, ...]
+    body_out_spec: P
+
+
+@dataclasses.dataclass(frozen=True)
+class LookupCollectives:
+    """The operands' moves and the collectives of the forward and of the backward's first
+    steps (the transposes), before any exchange."""
+
+    operands: list
+    out_moves: tuple
+    grad_moves: tuple
+    forward: list
+    transposes: list  # the backward's: out_grad's moves, then the scatters' all_gathers
+    grad_collectives: list  # out_grad's moves alone
+    out_kept_local: tuple[int, ...]
+    ids_local: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangeChoice:
+    """The exchange over B as chosen, and what it changes of the forward and the backward."""
+
+    exchange: str
+    reason: str
+    candidates: tuple
+    operands: list
+    ids_entries: list
+    ids_local: tuple[int, ...]
+    forward: list
+    backward: list
+    buffers: int
+    routed: Any
+    gathers: tuple
+
+    @property
+    def touched(self) -> int:
+        """The id slots one device scatters or updates with the chosen exchange."""
+        return next(c.rows_scattered for c in self.candidates if c.name == self.exchange)
 
 
 @functools.lru_cache(maxsize=512)
-def _plan_cached(
-    mesh_axes, explicit, x_shape, weight_shape, x_spec, weight_spec, out_spec, padding_idx,
-    vocab_size, dtype, ids_dtype, exchange, row_sharding, backend, bag, lengths_spec,
-    weights_spec, update, capacity, capacity_factor, impl, optimizer_slots,
-) -> EmbeddingPlan:  # fmt: skip
-    names = tuple(n for n, _ in mesh_axes)
-    sizes = dict(mesh_axes)
-    if exchange not in _EXCHANGES:
-        raise ValueError(f"exchange must be one of {_EXCHANGES}, got {exchange!r}")
-    if row_sharding not in ("block", "mod"):
-        raise ValueError(f"row_sharding must be 'block' or 'mod', got {row_sharding!r}")
+def plan_request(req: PlanRequest) -> EmbeddingPlan:
+    """The plan of a normalized request, in named steps (cached).
 
-    # Phase 1: the table (R, K) and the scalars.
-    row_axes, hidden_axes = table_layout(weight_shape, weight_spec, names, sizes)
-    num_rows, hidden = weight_shape
-    vocab_size = validate_scalars(num_rows, vocab_size, padding_idx)
-    w_entries = (row_axes, hidden_axes)
+    `lookup_layout` (validate, the output's layout, the body's, the rules), then
+    `lookup_collectives` (the operands' moves, the forward's collectives and the backward's
+    transposes), `choose_lookup_exchange` (the exchange over B and its bytes),
+    `lookup_memory`, and the plan itself.
+    """
+    lay = lookup_layout(req)
+    coll = lookup_collectives(req, lay)
+    choice = choose_lookup_exchange(req, lay, coll)
+    return EmbeddingPlan(
+        mesh_axes=tuple(req.mesh_axes),
+        x_shape=req.x_shape,
+        weight_shape=(lay.num_rows, lay.hidden),
+        vocab_size=lay.vocab_size,
+        padding_idx=None if req.padding_idx is None else int(req.padding_idx),
+        dtype=req.dtype,
+        ids_dtype=req.ids_dtype,
+        x_spec=entries_spec(lay.x_dm),
+        ids_spec=entries_spec(choice.ids_entries),
+        weight_spec=entries_spec((lay.row_axes, lay.hidden_axes)),
+        body_out_spec=lay.body_out_spec,
+        out_spec=lay.out_spec,
+        row_axes=lay.row_axes,
+        hidden_axes=lay.hidden_axes,
+        batch_axes=lay.batch_axes,
+        scatters=tuple(lay.scatters),
+        psum_axes=lay.psum_axes,
+        unreduced_axes=lay.unreduced,
+        bag_split_axes=lay.bag_split,
+        batch_gathers=choice.gathers,
+        exchange=choice.exchange,
+        exchange_reason=choice.reason,
+        candidates=choice.candidates,
+        operands=tuple(choice.operands),
+        out_moves=coll.out_moves,
+        grad_moves=coll.grad_moves,
+        forward=tuple(choice.forward),
+        backward=tuple(choice.backward),
+        memory=lookup_memory(req, lay, coll, choice),
+        forward_rule=lay.forward_rule,
+        grad_rule=lay.grad_rule,
+        bag=req.bag,
+        row_sharding=req.row_sharding,
+        backend=req.backend,
+        for_update=req.update,
+        routed=choice.routed,
+        impl=req.impl,
+    )
 
-    # The ids' geometry: which ids axes are output batch axes, which are pooled away.
-    x_dm = named(layout.to_dims_mapping(x_spec, names, len(x_shape)), names)
-    if layout.to_partial_dims(x_spec, names):
+
+# --- step 1: validate, and the layouts -------------------------------------------------------
+
+
+def validate_request(req: PlanRequest) -> tuple[tuple[str, ...], tuple[str, ...], int, list]:
+    """Checks the options, the table and the ids: `(R, K, vocab_size, the ids' entries)`."""
+    names, sizes = req.names, req.sizes
+    if req.exchange not in _EXCHANGES:
+        raise ValueError(f"exchange must be one of {_EXCHANGES}, got {req.exchange!r}")
+    if req.row_sharding not in ("block", "mod"):
+        raise ValueError(f"row_sharding must be 'block' or 'mod', got {req.row_sharding!r}")
+    row_axes, hidden_axes = table_layout(req.weight_shape, req.weight_spec, names, sizes)
+    vocab_size = validate_scalars(req.weight_shape[0], req.vocab_size, req.padding_idx)
+    x_dm = named(layout.to_dims_mapping(req.x_spec, names, len(req.x_shape)), names)
+    if layout.to_partial_dims(req.x_spec, names):
         raise ValueError("the ids cannot be unreduced (partial sums)")
-    flat = bag is not None and bag.form == "flat"
+    for dim, (d, e) in enumerate(zip(req.x_shape, x_dm, strict=True)):
+        check_divides(
+            f"ids axis {dim} of size", d, tuple(e), sizes,
+            f"lay the ids out so that axis {dim} divides (e.g. x_spec without {e}), "
+            "or pad the batch to {padded}.",
+        )  # fmt: skip
+    return row_axes, hidden_axes, vocab_size, x_dm
+
+
+def lookup_layout(req: PlanRequest) -> LookupLayout:
+    """Steps 1-4: validate; the output's layout; the body's (kept prefixes, scatters, the
+    ids'); the rules' partial axes on it."""
+    names, sizes, bag = req.names, req.sizes, req.bag
+    row_axes, hidden_axes, vocab_size, x_dm = validate_request(req)
+    num_rows, hidden = req.weight_shape
+    x_shape = req.x_shape
+    # The ids' geometry: which ids axes are output batch axes, which are pooled away.
     if bag is None:
         out_batch, given_batch = x_shape, list(x_dm)
     elif bag.form == "dense":
         out_batch, given_batch = x_shape[:-1], list(x_dm[:-1])
     else:
         out_batch, given_batch = (*x_shape[:-1], bag.num_bags), [*x_dm[:-1], ()]
-    x_spec = entries_spec(x_dm)  # normalized: one entry per ids axis
-    for dim, (d, e) in enumerate(zip(x_shape, x_dm, strict=True)):
-        check_divides(
-            f"ids axis {dim} of size", d, tuple(e), sizes,
-            f"lay the ids out so that axis {dim} divides (e.g. x_spec without {e}), "
-            "or pad the batch to {padded}.",
-        )  # fmt: skip
-
-    # Phase 2: the output's layout.
     out_entries, unreduced, out_spec = output_layout(
-        out_spec, out_batch, given_batch, hidden, row_axes, hidden_axes, names, sizes, explicit
-    )
-
-    # Phase 3: the body's layout: kept prefix per output batch axis, scatters, the ids.
-    is_max = bag is not None and bag.combiner == "max"
-    if is_max and unreduced:
+        req.out_spec, out_batch, given_batch, hidden, row_axes, hidden_axes, names, sizes,
+        req.explicit,
+    )  # fmt: skip
+    if req.is_max and unreduced:
         raise ValueError(
             f"out_spec {out_spec} keeps partial results unreduced, but a max-pooled bag has no "
             "partial sums: request a reduced output"
         )
     kept, scatters, body_entries = body_layout(
-        out_entries, row_axes, hidden_axes, unreduced, names, scatter=not is_max
+        out_entries, row_axes, hidden_axes, unreduced, names, scatter=not req.is_max
     )
     if bag is None:
-        ids_entries = list(kept)
-        bag_split: tuple[str, ...] = ()
+        ids_entries, bag_split = list(kept), ()
     elif bag.form == "dense":
-        ids_entries = [*kept, ()]
-        bag_split = ()
+        ids_entries, bag_split = [*kept, ()], ()
     else:
-        ids_entries = [*kept[:-1], ()]
-        bag_split = kept[-1]
+        ids_entries, bag_split = [*kept[:-1], ()], kept[-1]
     for dim, (d, e) in enumerate(zip(x_shape, ids_entries, strict=True)):
         check_divides(f"ids axis {dim} of size", d, e, sizes, "choose another layout.")
-
-    # Phase 4: the rules: partial over R in the forward, over B in the backward.
+    # The rules: partial over R in the forward, over B in the backward.
     forward_rule, grad_rule, partial, batch_axes = ask_rules(
-        x_shape, ids_entries, weight_shape, w_entries, names, bag, kept
+        x_shape, ids_entries, req.weight_shape, (row_axes, hidden_axes), names, bag, kept
     )
     scattered = {a for _, axes in scatters for a in axes}
     psum_axes = tuple(a for a in partial if a not in scattered and a not in unreduced)
-    body_out_spec = entries_spec(body_entries, unreduced)
+    return LookupLayout(
+        row_axes=row_axes, hidden_axes=hidden_axes, num_rows=num_rows, hidden=hidden,
+        vocab_size=vocab_size, x_dm=x_dm, out_batch=tuple(out_batch),
+        out_entries=out_entries, unreduced=unreduced, out_spec=out_spec, kept=kept,
+        scatters=scatters, body_entries=body_entries, ids_entries=ids_entries,
+        bag_split=bag_split, forward_rule=forward_rule, grad_rule=grad_rule,
+        batch_axes=batch_axes, psum_axes=psum_axes,
+        body_out_spec=entries_spec(body_entries, unreduced),
+    )  # fmt: skip
 
-    # The batch operands and their moves into the body.
-    operands = [make_operand("ids", x_shape, ids_dtype, x_dm, ids_entries)]
-    if flat:
+
+# --- step 2: the operands and the collectives before the exchange ------------------------------
+
+
+def lookup_operands(req: PlanRequest, lay: LookupLayout) -> list:
+    """The batch operands (ids; a flat bag's lengths; a weighted bag's weights) with their
+    moves into the body."""
+    names, bag, x_shape = req.names, req.bag, req.x_shape
+    operands = [make_operand("ids", x_shape, req.ids_dtype, lay.x_dm, lay.ids_entries)]
+    if bag is not None and bag.form == "flat":
         lengths_shape = (*x_shape[:-1], bag.num_bags)
-        l_dm = named(layout.to_dims_mapping(lengths_spec, names, len(lengths_shape)), names)
-        operands.append(make_operand("lengths", lengths_shape, "int32", l_dm, ids_entries))
+        l_dm = named(layout.to_dims_mapping(req.lengths_spec, names, len(lengths_shape)), names)
+        operands.append(make_operand("lengths", lengths_shape, "int32", l_dm, lay.ids_entries))
     if bag is not None and bag.weighted:
-        w_dm = named(layout.to_dims_mapping(weights_spec, names, len(x_shape)), names)
-        operands.append(make_operand("weights", x_shape, "float32", w_dm, ids_entries))
-    out_moves = plan_moves(body_entries, out_entries)
+        w_dm = named(layout.to_dims_mapping(req.weights_spec, names, len(x_shape)), names)
+        operands.append(make_operand("weights", x_shape, "float32", w_dm, lay.ids_entries))
+    return operands
 
-    # Phase 5: the forward's collectives.
-    e, e_ids = itemsize(dtype), itemsize(ids_dtype)
-    ids_local = local_shape(x_shape, ids_entries, sizes)
-    out_kept_local = (*local_shape(out_batch, kept, sizes), hidden // prod(hidden_axes, sizes))
-    forward: list[Collective] = []
-    for op in operands:
-        forward += move_collectives(
-            "forward", op.name, local_shape(op.shape, spec_entries(op.given), sizes), op.moves,
-            sizes, op.dtype, f"{op.name} {op.given} -> {op.spec}: the ids move, the table stays",
-        )  # fmt: skip
+
+def operand_moves(phase: str, operands, sizes, why) -> list[Collective]:
+    """The collectives of the operands' moves into the body (`why(op)`: each one's reason)."""
+    return [
+        c for op in operands for c in move_collectives(
+            phase, op.name, local_shape(op.shape, spec_entries(op.given), sizes), op.moves,
+            sizes, op.dtype, why(op),
+        )
+    ]  # fmt: skip
+
+
+def lookup_collectives(req: PlanRequest, lay: LookupLayout) -> LookupCollectives:
+    """The forward's collectives (the ids' moves, `psum_scatter` / `psum` over R, the
+    output's moves) and the backward's transposes of them."""
+    sizes, dtype, hidden = req.sizes, req.dtype, lay.hidden
+    e = itemsize(dtype)
+    operands = lookup_operands(req, lay)
+    out_moves = plan_moves(lay.body_entries, lay.out_entries)
+    ids_local = local_shape(req.x_shape, lay.ids_entries, sizes)
+    out_kept_local = (
+        *local_shape(lay.out_batch, lay.kept, sizes), hidden // prod(lay.hidden_axes, sizes)
+    )  # fmt: skip
+    forward = operand_moves(
+        "forward", operands, sizes,
+        lambda op: f"{op.name} {op.given} -> {op.spec}: the ids move, the table stays",
+    )  # fmt: skip
     shape = list(out_kept_local)
-    backward_transposes: list[Collective] = []
-    for dim, axes in scatters:
+    transposes: list[Collective] = []
+    for dim, axes in lay.scatters:
         k = prod(axes, sizes)
         before = tuple(shape)
         shape[dim] //= k
@@ -391,145 +613,139 @@ def _plan_cached(
         forward.append(collective("forward", "psum_scatter", axes, "out", shape, dtype, wire, why))
         wire = cost.ring_wire_bytes("all-gather", k, math.prod(before) * e)
         why = f"transpose of the forward psum_scatter on axis {dim}"
-        backward_transposes.insert(
+        transposes.insert(
             0, collective("backward", "all_gather", axes, "out_grad", before, dtype, wire, why)
         )
-    if psum_axes:
-        k = prod(psum_axes, sizes)
+    if lay.psum_axes:
+        k = prod(lay.psum_axes, sizes)
         wire = cost.ring_wire_bytes("all-reduce", k, math.prod(shape) * e)
         why = "sum the row shards (each holds its rows, zeros elsewhere)"
-        op = "pmax" if is_max else "psum"
-        forward.append(collective("forward", op, psum_axes, "out", shape, dtype, wire, why))
-        if is_max:  # which slot won each (bag, column): the earliest among the shards' maxima
+        op = "pmax" if req.is_max else "psum"
+        forward.append(collective("forward", op, lay.psum_axes, "out", shape, dtype, wire, why))
+        if req.is_max:  # which slot won each (bag, column): the earliest among the shards' maxima
             wire = cost.ring_wire_bytes("all-reduce", k, math.prod(shape) * 4)
             why = "the winning slot of each maximum, for the backward"
             forward.append(
-                collective("forward", "pmin", psum_axes, "winners", shape, "int32", wire, why)
+                collective("forward", "pmin", lay.psum_axes, "winners", shape, "int32", wire, why)
             )
-    body_local = tuple(shape)
     forward += move_collectives(
-        "forward", "out", body_local, out_moves, sizes, dtype,
-        f"out {body_out_spec} -> {out_spec}",
+        "forward", "out", tuple(shape), out_moves, sizes, dtype,
+        f"out {lay.body_out_spec} -> {lay.out_spec}",
     )  # fmt: skip
     # The backward starts with the transpose of the output's moves: slices become gathers.
-    grad_moves = plan_moves(out_entries, body_entries)
-    out_local = local_shape((*out_batch, hidden), out_entries, sizes)
+    grad_moves = plan_moves(lay.out_entries, lay.body_entries)
+    out_local = local_shape((*lay.out_batch, hidden), lay.out_entries, sizes)
     grad_collectives = move_collectives(
         "backward", "out_grad", out_local, grad_moves, sizes, dtype,
-        f"out_grad {out_spec} -> {body_out_spec}",
+        f"out_grad {lay.out_spec} -> {lay.body_out_spec}",
     )  # fmt: skip
-    backward_transposes = grad_collectives + backward_transposes
+    return LookupCollectives(
+        operands=operands, out_moves=out_moves, grad_moves=grad_moves, forward=forward,
+        transposes=grad_collectives + transposes, grad_collectives=grad_collectives,
+        out_kept_local=out_kept_local, ids_local=ids_local,
+    )  # fmt: skip
 
-    # Phase 6: the exchange over B, weighed by the cost model.
-    gathers = tuple(
-        (d, b)
-        for d, b in ((d, tuple(a for a in k if a in batch_axes)) for d, k in enumerate(kept))
-        if b
+
+# --- step 3: the exchange over B, weighed by the cost model ------------------------------------
+
+
+def price_impl(req: PlanRequest, lay: LookupLayout) -> str:
+    """The kernels the cost model prices: a native update needs the hidden axis whole; over
+    a split one only its dedup is native (`jaxembed.kernels.update`)."""
+    if req.impl == "native" and req.update and lay.hidden_axes:
+        return "native-dedup"
+    return req.impl
+
+
+def choose_lookup_exchange(
+    req: PlanRequest, lay: LookupLayout, coll: LookupCollectives
+) -> ExchangeChoice:
+    """Weighs `dense`, `rows` and `routed` and takes the requested one or the cheapest; the
+    routed exchange replaces the forward's ids moves and scatters with its own."""
+    sizes, x_shape = req.sizes, req.x_shape
+    batch_of_kept = (
+        (d, tuple(a for a in k if a in lay.batch_axes)) for d, k in enumerate(lay.kept)
     )
+    gathers = tuple((d, b) for d, b in batch_of_kept if b)
     geometry = Geometry(
-        sizes=sizes, e=e, e_ids=e_ids, dtype=dtype, ids_dtype=ids_dtype, operands=operands,
-        ids_entries=ids_entries, kept=kept, bag_split=bag_split, batch_axes=batch_axes,
-        out_kept_local=out_kept_local, ids_local=ids_local, num_rows=num_rows,
-        row_axes=row_axes, hidden_local=out_kept_local[-1], is_bag=bag is not None,
-        is_max=is_max, gathers=gathers,
+        sizes=sizes, e=itemsize(req.dtype), e_ids=itemsize(req.ids_dtype), dtype=req.dtype,
+        ids_dtype=req.ids_dtype, operands=coll.operands, ids_entries=lay.ids_entries,
+        kept=lay.kept, bag_split=lay.bag_split, batch_axes=lay.batch_axes,
+        out_kept_local=coll.out_kept_local, ids_local=coll.ids_local, num_rows=lay.num_rows,
+        row_axes=lay.row_axes, hidden_local=coll.out_kept_local[-1], is_bag=req.bag is not None,
+        is_max=req.is_max, gathers=gathers,
     )  # fmt: skip
-    # What runs: a native update needs the hidden axis whole; over a split one only its
-    # dedup is native (`jaxembed.kernels.update`).
-    price_impl = "native-dedup" if impl == "native" and update and hidden_axes else impl
-    routed, routed_option, routed_operands = _routed_option(
-        scatters=scatters, batch_axes=batch_axes, row_axes=row_axes, operands=operands,
-        ids_entries=ids_entries, sizes=sizes, dtype=dtype, out_kept_local=out_kept_local,
-        names=names, bag=bag, capacity=capacity, capacity_factor=capacity_factor, update=update,
-        impl=price_impl, out_moves_collectives=[c for c in forward if c.operand == "out" and
-                               c.op == "all_gather"], grad_collectives=grad_collectives,
-        backend=backend, unreduced=unreduced,
+    impl = price_impl(req, lay)
+    out_gathers = [c for c in coll.forward if c.operand == "out" and c.op == "all_gather"]
+    routed, routed_candidate, routed_operands = routed_option(
+        scatters=lay.scatters, batch_axes=lay.batch_axes, row_axes=lay.row_axes,
+        operands=coll.operands, ids_entries=lay.ids_entries, sizes=sizes, dtype=req.dtype,
+        out_kept_local=coll.out_kept_local, names=req.names, is_bag=req.bag is not None,
+        capacity=req.capacity, capacity_factor=req.capacity_factor, update=req.update,
+        impl=impl, out_moves_collectives=out_gathers, grad_collectives=coll.grad_collectives,
+        backend=req.backend, unreduced=lay.unreduced,
     )  # fmt: skip
-    exchange, reason, candidates, exchange_collectives, exchange_buffers = choose_exchange(
-        exchange, geometry, forward, backward_transposes, backend, update=update,
-        extra={"routed": routed_option}, impl=price_impl,
+    exchange, reason, candidates, exchange_collectives, buffers = choose_exchange(
+        req.exchange, geometry, coll.forward, coll.transposes, req.backend, update=req.update,
+        extra={"routed": routed_candidate}, impl=impl,
     )  # fmt: skip
-    backward = backward_transposes + exchange_collectives
+    operands, ids_entries, ids_local = coll.operands, lay.ids_entries, coll.ids_local
+    forward, backward = coll.forward, coll.transposes + exchange_collectives
     if exchange == "routed":
         operands = routed_operands
         ids_entries = list(spec_entries(operands[0].spec))
         ids_local = local_shape(x_shape, ids_entries, sizes)
         forward = [
-            *(c for op in operands for c in move_collectives(
-                "forward", op.name, local_shape(op.shape, spec_entries(op.given), sizes),
-                op.moves, sizes, op.dtype, f"{op.name} {op.given} -> {op.spec}",
-            )),
+            *operand_moves("forward", operands, sizes, lambda op: f"{op.name} {op.given} -> "
+                           f"{op.spec}"),
             *routed.forward,
-            *(c for c in forward if c.operand == "out" and c.op == "all_gather"),
+            *out_gathers,
         ]  # fmt: skip
-        backward = [*grad_collectives, *routed.backward]
+        backward = [*coll.grad_collectives, *routed.backward]
     else:
         routed = None
-    if update:  # the update starts from the ids as given, and may sum rows over K
-        backward = _update_collectives(
-            operands, sizes, backward, optimizer_slots, hidden_axes, is_max, forward,
-            next(c.rows_scattered for c in candidates if c.name == exchange),
-        )  # fmt: skip
+    choice = ExchangeChoice(
+        exchange=exchange, reason=reason, candidates=candidates, operands=operands,
+        ids_entries=ids_entries, ids_local=ids_local, forward=forward, backward=backward,
+        buffers=buffers, routed=routed, gathers=gathers,
+    )  # fmt: skip
+    if req.update:  # the update starts from the ids as given, and may sum rows over K
+        backward = update_collectives(req, lay, choice)
+        choice = dataclasses.replace(choice, backward=backward)
+    return choice
 
-    grad_shard_shape = (num_rows // prod(row_axes, sizes), out_kept_local[-1])
+
+# --- step 4: the memory ----------------------------------------------------------------------
+
+
+def lookup_memory(
+    req: PlanRequest, lay: LookupLayout, coll: LookupCollectives, choice: ExchangeChoice
+) -> MemoryEstimate:
+    """Per-device bytes of the table shard, the ids, the output, the gradient shard (or the
+    update's buffers and state) and the exchange's buffers."""
+    sizes, slots = req.sizes, req.optimizer_slots
+    e = itemsize(req.dtype)
+    h_local = coll.out_kept_local[-1]
+    grad_shard_shape = (lay.num_rows // prod(lay.row_axes, sizes), h_local)
     grad_shard = math.prod(grad_shard_shape) * GRAD_ACCUM_BYTES
-    touched = next(c.rows_scattered for c in candidates if c.name == exchange)
-    h_local = out_kept_local[-1]
-    per_element = sum(1 for per_row in optimizer_slots if not per_row)
-    per_row = len(optimizer_slots) - per_element
-    memory = MemoryEstimate(
+    touched = choice.touched
+    per_element = sum(1 for per_row in slots if not per_row)
+    per_row = len(slots) - per_element
+    return MemoryEstimate(
         table_shard=grad_shard // GRAD_ACCUM_BYTES * e,
-        ids=math.prod(ids_local) * e_ids,
-        out=math.prod(out_kept_local) * e,
-        weight_grad_f32=0 if update else grad_shard,
-        exchange_buffers=exchange_buffers,
+        ids=math.prod(choice.ids_local) * itemsize(req.ids_dtype),
+        out=math.prod(coll.out_kept_local) * e,
+        weight_grad_f32=0 if req.update else grad_shard,
+        exchange_buffers=choice.buffers,
         touched_rows=touched,
-        update_buffers=_update_buffers(
-            update, impl, hidden_axes, touched, h_local, per_element, per_row
+        update_buffers=update_buffers(
+            req.update, req.impl, lay.hidden_axes, touched, h_local, per_element, per_row
         ),
         state_bytes=grad_shard_shape[0] * (h_local * per_element + per_row) * 4,
     )
-    return EmbeddingPlan(
-        mesh_axes=tuple(mesh_axes),
-        x_shape=x_shape,
-        weight_shape=(num_rows, hidden),
-        vocab_size=vocab_size,
-        padding_idx=None if padding_idx is None else int(padding_idx),
-        dtype=dtype,
-        ids_dtype=ids_dtype,
-        x_spec=x_spec,
-        ids_spec=entries_spec(ids_entries),
-        weight_spec=entries_spec(w_entries),
-        body_out_spec=body_out_spec,
-        out_spec=out_spec,
-        row_axes=row_axes,
-        hidden_axes=hidden_axes,
-        batch_axes=batch_axes,
-        scatters=tuple(scatters),
-        psum_axes=psum_axes,
-        unreduced_axes=unreduced,
-        bag_split_axes=bag_split,
-        batch_gathers=gathers,
-        exchange=exchange,
-        exchange_reason=reason,
-        candidates=candidates,
-        operands=tuple(operands),
-        out_moves=out_moves,
-        grad_moves=grad_moves,
-        forward=tuple(forward),
-        backward=tuple(backward),
-        memory=memory,
-        forward_rule=forward_rule,
-        grad_rule=grad_rule,
-        bag=bag,
-        row_sharding=row_sharding,
-        backend=backend,
-        for_update=update,
-        routed=routed,
-        impl=impl,
-    )
 
 
-def _update_buffers(update, impl, hidden_axes, touched, h_local, per_element, per_row) -> int:
+def update_buffers(update, impl, hidden_axes, touched, h_local, per_element, per_row) -> int:
     """A row-sparse update's transient bytes per device, float32 and int32, over the M slots
     it touches. The native update (hidden axis whole) fuses the bag's backward into the
     update: only each slot's local row, flag, bag and factor are materialized. XLA's holds
@@ -542,75 +758,23 @@ def _update_buffers(update, impl, hidden_axes, touched, h_local, per_element, pe
     return touched * (h_local * (4 + per_element) + per_row + 6) * 4
 
 
-def _update_collectives(operands, sizes, backward, optimizer_slots, hidden_axes, is_max,
-                        forward, touched) -> list[Collective]:  # fmt: skip
+def update_collectives(
+    req: PlanRequest, lay: LookupLayout, choice: ExchangeChoice
+) -> list[Collective]:
     """A row-sparse update's collectives: the ids' moves into its body, a max bag's winners
     (recomputed: the forward's pmax and pmin), the backward's, and the `psum` over the
     hidden axes of each touched row's sum of g² for a one-per-row state."""
-    moves = [
-        c for op in operands for c in move_collectives(
-            "backward", op.name, local_shape(op.shape, spec_entries(op.given), sizes),
-            op.moves, sizes, op.dtype, f"the update moves {op.name} into its body",
-        )
-    ]  # fmt: skip
-    winners = [dataclasses.replace(c, phase="backward") for c in forward
-               if is_max and c.op in ("pmax", "pmin")]  # fmt: skip
+    sizes = req.sizes
+    moves = operand_moves(
+        "backward", choice.operands, sizes, lambda op: f"the update moves {op.name} into its body"
+    )
+    winners = [dataclasses.replace(c, phase="backward") for c in choice.forward
+               if req.is_max and c.op in ("pmax", "pmin")]  # fmt: skip
     rows = []
-    if hidden_axes and any(optimizer_slots):
-        k = prod(hidden_axes, sizes)
-        wire = cost.ring_wire_bytes("all-reduce", k, touched * GRAD_ACCUM_BYTES)
+    if lay.hidden_axes and any(req.optimizer_slots):
+        k = prod(lay.hidden_axes, sizes)
+        wire = cost.ring_wire_bytes("all-reduce", k, choice.touched * GRAD_ACCUM_BYTES)
         why = "each touched row's sum of g² over the split hidden axis (one-per-row state)"
-        rows.append(collective("backward", "psum", hidden_axes, "row_sum", (touched,),
+        rows.append(collective("backward", "psum", lay.hidden_axes, "row_sum", (choice.touched,),
                                "float32", wire, why))  # fmt: skip
-    return [*moves, *winners, *backward, *rows]
-
-
-def _routed_option(*, scatters, batch_axes, row_axes, operands, ids_entries, sizes, dtype,
-                   out_kept_local, names, bag, capacity, capacity_factor, update, impl,
-                   out_moves_collectives, grad_collectives, backend, unreduced):  # fmt: skip
-    """The routed exchange as a candidate: `(RoutedPlan, (candidate, [], buffers), operands)`,
-    or `(None, reason, None)` where it does not apply."""
-    if unreduced:
-        return None, "the output is kept unreduced", None
-    op_dims = [operand_has_dim(len(op.shape), scatters[0][0], bag is not None)
-               if scatters else False for op in operands]  # fmt: skip
-    routed, reason, entries = plan_routed(
-        scatters=scatters, batch_axes=batch_axes, row_axes=row_axes,
-        operands=[(op.name, op.shape, op.dtype, spec_entries(op.given)) for op in operands],
-        ids_entries=ids_entries, op_dims=op_dims, sizes=sizes, dtype=dtype,
-        hidden_local=out_kept_local[-1], out_kept_local=out_kept_local, mesh_names=names,
-        capacity=capacity, capacity_factor=capacity_factor, update=update,
-    )  # fmt: skip
-    if routed is None:
-        return None, reason, None
-    routed_operands = [
-        make_operand(op.name, op.shape, op.dtype, spec_entries(op.given), e)
-        for op, e in zip(operands, entries, strict=True)
-    ]
-    moves = [
-        c for op in routed_operands for c in move_collectives(
-            "forward", op.name, local_shape(op.shape, spec_entries(op.given), sizes),
-            op.moves, sizes, op.dtype, "",
-        )
-    ]  # fmt: skip
-    collectives = [*moves, *routed.forward, *out_moves_collectives, *grad_collectives,
-                   *routed.backward]  # fmt: skip
-    wire = sum(c.wire_bytes for c in collectives)
-    looked_up = routed.rows_looked_up
-    constants = cost.load_constants(backend, impl)
-    row_bytes = out_kept_local[-1] * itemsize(dtype)
-    # The owners gather and scatter n·C rows (and sum them over the other row axes); each
-    # source fetches its slots' rows back. Bucketing sorts the slots with XLA's sort in the
-    # forward and again in the backward; an update also deduplicates at the owner.
-    rest = prod(routed.rest_axes, sizes)
-    seconds = cost.modelled_seconds(
-        constants, wire_bytes=wire, rows=2 * looked_up * rest + routed.slots,
-        row_bytes=row_bytes, collectives=len(collectives),
-        sorted_ids=looked_up if update else 0,
-    ) + 2 * routed.slots / cost.load_constants(backend).sort_ids_per_s  # fmt: skip
-    candidate = ExchangeCandidate(
-        "routed", wire, looked_up + routed.slots, looked_up, seconds * 1e3,
-        f"send each distinct id to its owner over {routed.axes}, capacity {routed.capacity}",
-    )  # fmt: skip
-    buffers = routed.num_buckets * routed.capacity * (4 + out_kept_local[-1] * 4)
-    return routed, (candidate, [], buffers), routed_operands
+    return [*moves, *winners, *choice.backward, *rows]

@@ -23,30 +23,12 @@ Examples:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
+from jaxembed.plan.types import Entries, Move
+
 __all__ = ["Entries", "Move", "local_shape", "move_shapes", "plan_moves"]
-
-Entries = tuple[tuple[str, ...], ...]
-"""A layout: the mesh axes splitting each array axis, major first."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Move:
-    """One step of a layout change inside a `shard_map` body.
-
-    Attributes:
-      op: `"all_gather"` (tiled, over `axes` along `dim`) or `"slice"` (this device's block
-        along `dim` by its position on `axes`).
-      dim: the array axis.
-      axes: mesh axis names, major first.
-    """
-
-    op: str
-    dim: int
-    axes: tuple[str, ...]
 
 
 def plan_moves(src: Sequence[Sequence[str]], dst: Sequence[Sequence[str]]) -> tuple[Move, ...]:

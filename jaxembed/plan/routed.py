@@ -19,51 +19,15 @@ device learns it from one all-reduce of a flag and that step runs the gather exc
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from jaxembed.plan import cost
+from jaxembed.plan.layouts import collective, make_operand, move_collectives, operand_has_dim
 from jaxembed.plan.moves import local_shape, plan_moves
-from jaxembed.plan.phases import collective, itemsize, move_collectives, prod
-from jaxembed.plan.types import Collective
+from jaxembed.plan.specs import itemsize, prod, spec_entries
+from jaxembed.plan.types import ExchangeCandidate, RoutedPlan
 
-__all__ = ["RoutedPlan", "capacity_for", "plan_routed"]
-
-
-@dataclasses.dataclass(frozen=True)
-class RoutedPlan:
-    """How the routed exchange runs, per device.
-
-    Attributes:
-      axes: S, the mesh axes it routes over (the ids' and the rows' common axes).
-      dim: the ids axis (and output batch axis) split over S.
-      rest_axes: the table's other row axes; the owners sum their rows over them.
-      num_buckets: n_S, the devices along S.
-      slots: M, the id slots one device routes.
-      capacity: C, the distinct ids one device may send to one owner in a step.
-      capacity_factor: C over the uniform expectation M / n_S (when C was not set).
-      ids_spec: the layout the ids run in (split over S as well).
-      forward, backward: the routed path's collectives.
-      fallback_forward, fallback_backward: the exact fallback's (the gather exchange), run
-        only in a step where some bucket overflowed.
-    """
-
-    axes: tuple[str, ...]
-    dim: int
-    rest_axes: tuple[str, ...]
-    num_buckets: int
-    slots: int
-    capacity: int
-    capacity_factor: float
-    forward: tuple[Collective, ...]
-    backward: tuple[Collective, ...]
-    fallback_forward: tuple[Collective, ...]
-    fallback_backward: tuple[Collective, ...]
-
-    @property
-    def rows_looked_up(self) -> int:
-        """Rows an owner gathers per step: n_S · C (every slot of every bucket)."""
-        return self.num_buckets * self.capacity
+__all__ = ["RoutedPlan", "capacity_for", "plan_routed", "routed_option"]
 
 
 def capacity_for(slots: int, buckets: int, capacity: int | None, factor: float | None) -> int:
@@ -210,3 +174,55 @@ def plan_routed(
         fallback_forward=tuple(fb_forward), fallback_backward=tuple(fb_backward),
     )  # fmt: skip
     return plan, "", routed_entries
+
+
+def routed_option(*, scatters, batch_axes, row_axes, operands, ids_entries, sizes, dtype,
+                  out_kept_local, names, is_bag, capacity, capacity_factor, update, impl,
+                  out_moves_collectives, grad_collectives, backend, unreduced):  # fmt: skip
+    """The routed exchange as a candidate of a lookup's exchange (`choose_exchange`'s
+    `extra`): `(RoutedPlan, (candidate, [], buffers), operands)` with the batch operands as
+    the routed path runs them, or `(None, reason, None)` where it does not apply."""
+    if unreduced:
+        return None, "the output is kept unreduced", None
+    op_dims = [operand_has_dim(len(op.shape), scatters[0][0], is_bag)
+               if scatters else False for op in operands]  # fmt: skip
+    routed, reason, entries = plan_routed(
+        scatters=scatters, batch_axes=batch_axes, row_axes=row_axes,
+        operands=[(op.name, op.shape, op.dtype, spec_entries(op.given)) for op in operands],
+        ids_entries=ids_entries, op_dims=op_dims, sizes=sizes, dtype=dtype,
+        hidden_local=out_kept_local[-1], out_kept_local=out_kept_local, mesh_names=names,
+        capacity=capacity, capacity_factor=capacity_factor, update=update,
+    )  # fmt: skip
+    if routed is None:
+        return None, reason, None
+    routed_operands = [
+        make_operand(op.name, op.shape, op.dtype, spec_entries(op.given), e)
+        for op, e in zip(operands, entries, strict=True)
+    ]
+    moves = [
+        c for op in routed_operands for c in move_collectives(
+            "forward", op.name, local_shape(op.shape, spec_entries(op.given), sizes),
+            op.moves, sizes, op.dtype, "",
+        )
+    ]  # fmt: skip
+    collectives = [*moves, *routed.forward, *out_moves_collectives, *grad_collectives,
+                   *routed.backward]  # fmt: skip
+    wire = sum(c.wire_bytes for c in collectives)
+    looked_up = routed.rows_looked_up
+    constants = cost.load_constants(backend, impl)
+    row_bytes = out_kept_local[-1] * itemsize(dtype)
+    # The owners gather and scatter n·C rows (and sum them over the other row axes); each
+    # source fetches its slots' rows back. Bucketing sorts the slots with XLA's sort in the
+    # forward and again in the backward; an update also deduplicates at the owner.
+    rest = prod(routed.rest_axes, sizes)
+    seconds = cost.modelled_seconds(
+        constants, wire_bytes=wire, rows=2 * looked_up * rest + routed.slots,
+        row_bytes=row_bytes, collectives=len(collectives),
+        sorted_ids=looked_up if update else 0,
+    ) + 2 * routed.slots / cost.load_constants(backend).sort_ids_per_s  # fmt: skip
+    candidate = ExchangeCandidate(
+        "routed", wire, looked_up + routed.slots, looked_up, seconds * 1e3,
+        f"send each distinct id to its owner over {routed.axes}, capacity {routed.capacity}",
+    )  # fmt: skip
+    buffers = routed.num_buckets * routed.capacity * (4 + out_kept_local[-1] * 4)
+    return routed, (candidate, [], buffers), routed_operands

@@ -1,6 +1,9 @@
-"""The plan's data: collectives, exchange candidates, memory, and `EmbeddingPlan` itself.
+"""The plan's data: moves, collectives, exchange candidates, memory, `EmbeddingPlan` itself.
 
-Plain frozen dataclasses that print, compare and hash; `jaxembed.plan.lookup` builds them.
+Plain frozen dataclasses that compare and hash; `jaxembed.plan.lookup` builds them. This
+module imports nothing from `jaxembed.plan`: every other plan module may import it. The
+formatters (`jaxembed.plan.format`) sit above it; the face `jaxembed.plan` makes
+`str(plan)` print their table.
 """
 
 from __future__ import annotations
@@ -8,23 +11,44 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
 
 from jax.sharding import PartitionSpec as P
 
 from jaxembed import rules
-from jaxembed.plan.moves import Move
 
 __all__ = [
+    "COMBINERS",
     "BagGeometry",
     "Collective",
     "EmbeddingPlan",
+    "Entries",
     "ExchangeCandidate",
     "MemoryEstimate",
+    "Move",
     "Operand",
+    "RoutedPlan",
 ]
 
 COMBINERS = ("sum", "mean", "sqrtn", "max")
+
+Entries = tuple[tuple[str, ...], ...]
+"""A layout: the mesh axes splitting each array axis, major first."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """One step of a layout change inside a `shard_map` body (`jaxembed.plan.moves`).
+
+    Attributes:
+      op: `"all_gather"` (tiled, over `axes` along `dim`) or `"slice"` (this device's block
+        along `dim` by its position on `axes`).
+      dim: the array axis.
+      axes: mesh axis names, major first.
+    """
+
+    op: str
+    dim: int
+    axes: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,12 +290,12 @@ class EmbeddingPlan:
     row_sharding: str = "block"
     backend: str = "cpu"
     for_update: bool = False
-    routed: Any = None
+    routed: RoutedPlan | None = None
     impl: str = "xla"
 
     @property
     def gradient_exchange(self) -> str:
-        """The exchange's old name (round 1): the same as `exchange`."""
+        """The exchange's old name: the same as `exchange`."""
         return self.exchange
 
     @property
@@ -353,7 +377,38 @@ class EmbeddingPlan:
         sizes = dict(self.mesh_axes)
         return math.prod(sizes[a] for a in axes)
 
-    def __str__(self) -> str:
-        from jaxembed.plan.format import format_plan
 
-        return format_plan(self)
+@dataclasses.dataclass(frozen=True)
+class RoutedPlan:
+    """How the routed exchange runs, per device.
+
+    Attributes:
+      axes: S, the mesh axes it routes over (the ids' and the rows' common axes).
+      dim: the ids axis (and output batch axis) split over S.
+      rest_axes: the table's other row axes; the owners sum their rows over them.
+      num_buckets: n_S, the devices along S.
+      slots: M, the id slots one device routes.
+      capacity: C, the distinct ids one device may send to one owner in a step.
+      capacity_factor: C over the uniform expectation M / n_S (when C was not set).
+      ids_spec: the layout the ids run in (split over S as well).
+      forward, backward: the routed path's collectives.
+      fallback_forward, fallback_backward: the exact fallback's (the gather exchange), run
+        only in a step where some bucket overflowed.
+    """
+
+    axes: tuple[str, ...]
+    dim: int
+    rest_axes: tuple[str, ...]
+    num_buckets: int
+    slots: int
+    capacity: int
+    capacity_factor: float
+    forward: tuple[Collective, ...]
+    backward: tuple[Collective, ...]
+    fallback_forward: tuple[Collective, ...]
+    fallback_backward: tuple[Collective, ...]
+
+    @property
+    def rows_looked_up(self) -> int:
+        """Rows an owner gathers per step: n_S · C (every slot of every bucket)."""
+        return self.num_buckets * self.capacity

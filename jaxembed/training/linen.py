@@ -28,8 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxembed import tape as tape_mod
+from jaxembed.collection.checks import check_out_grads, check_states
+from jaxembed.kernels.collection import collection_update
 from jaxembed.kernels.update import after
-from jaxembed.training.nnx import Grads
+from jaxembed.training.common import Grads
 
 __all__ = ["Grads", "dense_mask", "init_sparse", "sparse_update", "value_and_grad"]
 
@@ -179,9 +181,6 @@ def sparse_update(optimizer: Any, states: dict, params: Any, grads: Grads) -> tu
         model), or a collection's states or gradients do not fit it
         (`jaxembed.collection.checks`).
     """
-    from jaxembed.collection.checks import check_out_grads, check_states
-    from jaxembed.collection.lookup import collection_update
-
     states = dict(states)
     for record, operands, out_grad in zip(
         grads.records, grads.operands, grads.out_grads, strict=True

@@ -20,7 +20,6 @@ head's `attend` or `cross_entropy`) cannot be trained this way: that is an error
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -30,30 +29,14 @@ from flax import nnx
 
 from jaxembed import tape as tape_mod
 from jaxembed.kernels.update import after
-from jaxembed.nnx import Table
+from jaxembed.nn.nnx_collection import EmbeddingBagCollection
+from jaxembed.nn.nnx_embed import Embed, Table
+from jaxembed.training.common import Grads
 
 __all__ = ["DENSE", "Grads", "SparseOptimizer", "value_and_grad"]
 
 DENSE = nnx.All(nnx.Param, nnx.Not(Table))
 """The parameters optax trains: every `nnx.Param` but the jaxembed tables (`wrt=DENSE`)."""
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Grads:
-    """What `value_and_grad` returns beside the loss.
-
-    Attributes:
-      dense: the gradients of the parameters in `DENSE` (an `nnx.State`), for optax.
-      operands: per lookup, what it read (ids, or the collection's batch).
-      out_grads: per lookup, d loss / d its output.
-      records: per lookup, the module's path and its lookup's arguments (static).
-    """
-
-    dense: Any
-    operands: list[Any]
-    out_grads: list[Any]
-    records: tuple[tape_mod.Record, ...] = dataclasses.field(metadata=dict(static=True))
 
 
 def _paths(model: Any) -> dict[int, str]:
@@ -132,9 +115,6 @@ class SparseOptimizer(nnx.Pytree):
     """
 
     def __init__(self, model: Any, optimizer: Any):
-        from jaxembed.collection.nnx import EmbeddingBagCollection
-        from jaxembed.nnx import Embed
-
         self.optimizer = nnx.static(optimizer)
         states = {}
         for key, module in ((k, _module_at(model, k)) for k in _paths(model).values()):
@@ -156,8 +136,6 @@ class SparseOptimizer(nnx.Pytree):
           ValueError: a lookup of a module this optimizer holds no state for (it was built
             from another model), or a collection's gradients that do not fit it.
         """
-        from jaxembed.collection.nnx import EmbeddingBagCollection
-
         opt = self.optimizer
         states = dict(self.states)
         for record, operands, out_grad in zip(

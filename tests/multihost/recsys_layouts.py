@@ -1,6 +1,6 @@
 """Run by tests/test_multihost.py under `python -m jaxembed.launch --processes 2`.
 
-Round 2 across two processes: a sum-pooled `embedding_bag` and its row-sparse
+Bags across two processes: a sum-pooled `embedding_bag` and its row-sparse
 `rowwise_adagrad` update, for each table layout that splits rows, each exchange and each
 kernel implementation, on a (data=2, model=4) mesh whose `data` axis spans the processes.
 Each process checks the pooled output, the updated table and the optimizer state shards it

@@ -1,0 +1,1 @@
+"""`jaxembed bench bags`: pooled lookups against XLA's take + sum (`bench`)."""

@@ -1,0 +1,1 @@
+"""`jaxembed bench sparse`: row-sparse optimizer steps against dense ones (`bench`)."""

@@ -1,0 +1,443 @@
+"""A collection's lookup and row-sparse update: one bag lookup per stack and input shape.
+
+`collection_lookup` and `collection_update` execute a `jaxembed.collection.layout`
+(`CollectionLayout`) with the bag kernels; the Flax modules
+(`jaxembed.nnx.EmbeddingBagCollection`, `jaxembed.flax.EmbeddingBagCollection`) call them.
+
+Per stack, the features whose inputs have the same form are one call of
+`jaxembed.embedding_bag`:
+
+* dense inputs `ids [B, L_f]` (negative ids: empty slots), all pooled, of similar widths:
+  stacked as `[B, F, L]` (each padded with empty slots to the widest), the dense form, bag
+  `(b, f)` is row `(b, f)` (`stacked_width`): no segments to make from lengths, the cheapest
+  call;
+* other dense inputs, pooled or unpooled: in the flat form, the ids of all of them side by
+  side, `[B, ΣL_f]` with `lengths [B, F]` — a pooled feature is one bag of L_f slots per
+  example, an unpooled one L_f bags of one slot;
+* `Ragged` inputs with the same lead shape: their values side by side, each followed by a
+  "gap" bag over its unused slots (ids -1), so that each feature's bags read its own block.
+
+Each slot carries its feature's combiner as a per-id factor (`jaxembed.ragged.bag_scales`:
+w, w/Σw or w/√Σw²), so sum, mean and sqrtn features pool together as one weighted sum;
+max-pooled features make their own call. Ids are first mapped to their stack rows
+(`TablePlacement.stack_ids`); ids outside a table's vocabulary read nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxembed import ragged
+from jaxembed.collection.layout import CollectionLayout, Stack, stacked_width
+from jaxembed.ids import as_ids
+from jaxembed.kernels.arrays import move, resolve_mesh, warn_once
+from jaxembed.kernels.bag import embedding_bag
+from jaxembed.kernels.common import resolve_layouts
+
+__all__ = ["Group", "checked_batch", "collection_lookup", "collection_update", "groups_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One call: features of one stack whose inputs share a form (static description)."""
+
+    stack: int
+    kind: str  # "stacked" (ids [B, F, L]), "dense" (ids [B, ΣL_f], lengths [B, F]) or
+    # "ragged" (values [*lead, N], lengths [*lead, B])
+    combiner: str  # "sum" (weighted: sum, mean, sqrtn, unpooled) or "max"
+    features: tuple[str, ...]
+
+
+def _as_input(feature: str, value: Any, where: str = "") -> tuple[str, Any, Any, Any]:
+    """(kind, ids or values, lengths or None, weights or None) of one feature's input, ids
+    checked and narrowed as `embedding_bag` reads them (`jaxembed.ids.as_ids`); messages
+    start with `where` (default: the feature's name)."""
+    where = where or f"feature {feature!r}: "
+    if isinstance(value, ragged.Ragged):
+        return "ragged", as_ids(value.values, "values", where=where), value.lengths, value.weights
+    weights = None
+    if isinstance(value, tuple) and len(value) == 2:
+        value, weights = value
+        weights = weights if isinstance(weights, jax.Array | jax.core.Tracer) else (
+            jnp.asarray(weights)
+        )  # fmt: skip
+        if not jnp.issubdtype(weights.dtype, jnp.floating):
+            raise TypeError(
+                f"{where}per-id weights must be floats, got {weights.dtype} of "
+                f"shape {weights.shape}: cast them with weights.astype(jnp.float32)"
+            )
+        weights = weights.astype(jnp.float32)
+    ids = as_ids(value, where=where)
+    if ids.ndim == 1:
+        ids = ids[:, None]  # one id per example
+        weights = None if weights is None or weights.ndim != 1 else weights[:, None]
+    if ids.ndim != 2:
+        raise ValueError(
+            f"{where}dense ids must be [B] or [B, L], got shape {ids.shape}; "
+            "pass a jaxembed.Ragged for bags of varying length"
+        )
+    if weights is not None and weights.shape != ids.shape:
+        raise ValueError(
+            f"{where}per-id weights {weights.shape} must have the shape of its "
+            f"ids {ids.shape}: one weight per id, as (ids, weights)"
+        )
+    return "dense", ids, None, weights
+
+
+def _examples(kind: str, values: Any, lengths: Any) -> int:
+    """The examples of one feature's input: B of dense `[B, L]`, `prod(lead)·B` bags of a
+    `Ragged` (its output's rows)."""
+    if kind == "dense":
+        return values.shape[0]
+    return math.prod(lengths.shape)
+
+
+def _check_ids(layout: CollectionLayout, feature: str, value: Any) -> None:
+    """Concrete ids outside their table's vocabulary raise (negative dense ids are empty
+    slots); under `jit` such ids read nothing and get no gradient."""
+    kind, values, lengths, _ = _as_input(feature, value)
+    if isinstance(values, jax.core.Tracer) or isinstance(lengths, jax.core.Tracer):
+        return
+    if isinstance(values, jax.Array) and not values.is_fully_addressable:
+        return
+    f = {f.name: f for f in layout.features}[feature]
+    vocab = layout.table(f.table).vocab_size
+    ids = np.asarray(values)
+    if kind == "dense":
+        bad = ids >= vocab
+    else:
+        n = ids.shape[-1]
+        total = np.minimum(np.maximum(np.asarray(lengths), 0).sum(-1, keepdims=True), n)
+        bad = ((ids < 0) | (ids >= vocab)) & (np.arange(n) < total)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"feature {feature!r}: id {int(ids[where])} at {where} is out of range for table "
+            f"{f.table!r} of {vocab} rows (valid ids: 0 to {vocab - 1}); under jax.jit such "
+            "ids read nothing and get no gradient"
+        )
+
+
+def checked_batch(layout: CollectionLayout, batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The collection's inputs, each checked by the rules `embedding_bag` applies (integer
+    ids that fit int32, float weights shaped like the ids, no weights on a max-pooled
+    feature) with messages naming the feature and its table, and all of one batch size.
+
+    Returns `{feature: input}` with dense ids as int32 jax arrays (other keys are dropped).
+
+    Raises:
+      TypeError: float ids, integer weights.
+      ValueError: a missing feature, wide or malformed ids, weights with max, features whose
+        batch sizes differ.
+    """
+    missing = [f.name for f in layout.features if f.name not in batch]
+    if missing:
+        raise ValueError(f"the batch has no input for features {missing} (it has {sorted(batch)})")
+    out, sizes = {}, {}
+    for f in layout.features:
+        where = f"feature {f.name!r} (table {f.table!r}): "
+        kind, values, lengths, weights = _as_input(f.name, batch[f.name], where)
+        ragged.check_weights_allowed(f.combiner, weights is not None, where)
+        if kind == "ragged":
+            value = batch[f.name]
+            out[f.name] = value if value.values is values else ragged.Ragged(
+                values, value.lengths, value.weights
+            )  # fmt: skip
+        else:
+            out[f.name] = values if weights is None else (values, weights)
+        sizes[f.name] = _examples(kind, values, lengths)
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{name!r}: {n}" for name, n in sizes.items())
+        raise ValueError(
+            f"the collection's features have different batch sizes ({listed}): every feature "
+            "needs one input per example of the batch (a Ragged: one bag per example, "
+            "lead dims included); pad or slice them to one batch size"
+        )
+    return out
+
+
+def groups_of(layout: CollectionLayout, batch: Mapping[str, Any]) -> list[Group]:
+    """The calls a batch makes, in a fixed order (stack, form, combiner, features)."""
+    missing = [f.name for f in layout.features if f.name not in batch]
+    if missing:
+        raise ValueError(f"the batch has no input for features {missing} (it has {sorted(batch)})")
+    keys: dict[tuple, list[str]] = {}
+    for f in layout.features:
+        kind, values, _, _ = _as_input(f.name, batch[f.name])
+        if kind == "ragged" and not f.pooled:
+            raise ValueError(
+                f"feature {f.name!r} is unpooled (combiner=None) but its input is a Ragged: "
+                "give it dense ids [B, L]"
+            )
+        lead = tuple(values.shape[:-1])
+        combiner = "max" if f.combiner == "max" else "sum"
+        key = (layout.placement(f.table).stack, kind, lead, combiner)
+        keys.setdefault(key, []).append(f.name)
+    groups = []
+    for (stack, kind, _, combiner), names in keys.items():
+        if kind == "dense" and _stackable(layout, batch, names):
+            kind = "stacked"
+        groups.append(Group(stack, kind, combiner, tuple(names)))
+    return groups
+
+
+def _stackable(layout: CollectionLayout, batch: Mapping[str, Any], names) -> bool:
+    """Whether dense pooled features' ids stack as `[B, F, L]` (`stacked_width`)."""
+    features = {f.name: f for f in layout.features}
+    if not all(features[n].pooled for n in names):
+        return False
+    return stacked_width([_as_input(n, batch[n])[1].shape[-1] for n in names]) is not None
+
+
+def _operands(layout: CollectionLayout, group: Group, batch: Mapping[str, Any]):
+    """The flat-form operands of one call: ids, lengths, per-slot factors (or None), and how
+    to split its output `[*lead, B_total, dim]` back into features."""
+    stack = layout.stacks[group.stack]
+    features = {f.name: f for f in layout.features}
+    if group.kind == "stacked":
+        return _stacked_operands(layout, group, batch)
+    ids, lengths, weights, pieces = [], [], [], []
+    bag = 0
+    for name in group.features:
+        f = features[name]
+        _, values, lens, w = _as_input(name, batch[name])
+        gid = layout.placement(f.table).stack_ids(values, stack.local_rows)
+        valid = gid >= 0
+        if group.kind == "dense":  # pooled: one bag of n slots; unpooled: n bags of one
+            n = values.shape[-1]
+            nbags = 1 if f.pooled else n
+            lens = jnp.full((*values.shape[:-1], nbags), n if f.pooled else 1, jnp.int32)
+            slot = _positions(values) if not f.pooled else jnp.zeros_like(values, jnp.int32)
+            segments = jnp.where(valid, slot, -1)
+        else:
+            n = values.shape[-1]
+            clamped = jnp.diff(
+                jnp.minimum(jnp.cumsum(jnp.maximum(lens, 0), axis=-1), n), axis=-1,
+                prepend=jnp.zeros_like(lens[..., :1]),
+            ).astype(jnp.int32)  # fmt: skip
+            total = jnp.sum(clamped, axis=-1, keepdims=True)
+            used = _positions(values) < total
+            gid = jnp.where(used, gid, -1)
+            valid = gid >= 0
+            segments = ragged.segments_from_lengths(clamped, n)
+            lens = jnp.concatenate([clamped, n - total], axis=-1)  # the gap bag last
+            nbags = clamped.shape[-1] + 1
+        if group.combiner == "sum":
+            scale = ragged.bag_scales(
+                valid, jnp.where(valid, segments, -1), w, nbags, f.combiner or "sum"
+            )
+            weights.append(scale)
+        ids.append(gid)
+        lengths.append(lens)
+        real = nbags - (1 if group.kind == "ragged" else 0)
+        pieces.append((name, bag, real, f.pooled))
+        bag += nbags
+    ids = jnp.concatenate(ids, axis=-1)
+    lengths = jnp.concatenate(lengths, axis=-1)
+    weights = jnp.concatenate(weights, axis=-1) if weights else None
+    # Dense inputs' lengths are constants: tied to the ids, XLA does not constant-fold the
+    # bag offsets and segments made from them (a [B, N] cumsum it would evaluate for seconds
+    # at compile time).
+    ids, lengths = jax.lax.optimization_barrier((ids, lengths))
+    return ids, lengths, weights, pieces
+
+
+def _stacked_operands(layout: CollectionLayout, group: Group, batch: Mapping[str, Any]):
+    """The dense-form operands of pooled dense features: ids `[B, F, L]` (each feature's
+    `[B, L_f]` padded with empty slots to L = max L_f), its factors, no lengths: bag `(b, f)`
+    is row `(b, f)`, so the call needs no segments made from lengths."""
+    stack = layout.stacks[group.stack]
+    features = {f.name: f for f in layout.features}
+    width = max(_as_input(n, batch[n])[1].shape[-1] for n in group.features)
+    ids, weights, pieces = [], [], []
+    for index, name in enumerate(group.features):
+        f = features[name]
+        _, values, _, w = _as_input(name, batch[name])
+        gid = layout.placement(f.table).stack_ids(values, stack.local_rows)
+        pad = [(0, 0)] * (gid.ndim - 1) + [(0, width - gid.shape[-1])]
+        if group.combiner == "sum":
+            valid = gid >= 0
+            scale = ragged.bag_scales(valid, jnp.where(valid, 0, -1), w, 1, f.combiner or "sum")
+            weights.append(jnp.pad(scale, pad))
+        ids.append(jnp.pad(gid, pad, constant_values=-1))
+        pieces.append((name, index, 1, True))
+    weights = jnp.stack(weights, axis=-2) if weights else None
+    return jnp.stack(ids, axis=-2), None, weights, pieces
+
+
+def _positions(values: jax.Array) -> jax.Array:
+    """Each slot's index along the last axis, laid out as `values` (a constant `arange`
+    would be replicated, which an Explicit mesh does not mix with a split array)."""
+    _, ones = jax.lax.optimization_barrier((values, jnp.ones_like(values, jnp.int32)))
+    return jnp.cumsum(ones, axis=-1) - 1  # not a constant: XLA does not fold it at compile time
+
+
+def _split(out: jax.Array, pieces, kind: str) -> dict[str, jax.Array]:
+    result = {}
+    for name, start, count, pooled in pieces:
+        block = out[..., start : start + count, :]  # [*lead, count, dim]
+        if kind in ("dense", "stacked") and pooled:
+            block = block[..., 0, :]  # [B, dim]
+        elif kind == "ragged":
+            block = block.reshape(-1, block.shape[-1])  # [*lead * B_f, dim]: the blocks in order
+        result[name] = block
+    return result
+
+
+def collection_lookup(
+    layout: CollectionLayout,
+    stacks: Mapping[int, jax.Array],
+    batch: Mapping[str, Any],
+    *,
+    mesh: Any = None,
+    x_spec: P | None = None,
+    exchange: str = "auto",
+    capacity_factor: float | None = None,
+    impl: str = "auto",
+) -> dict[str, jax.Array]:
+    """Every feature's output: pooled `[B, dim]` (a `Ragged` input: `[*lead·B, dim]`) or
+    unpooled `[B, L, dim]`.
+
+    Args:
+      layout: the collection's layout.
+      stacks: each stack's physical table, by stack index.
+      batch: `{feature: ids [B] | ids [B, L] | (ids, weights) | Ragged}` (other keys, e.g.
+        dense features or labels, are left alone).
+      mesh: the mesh (default the stacks' own or `jax.set_mesh`'s).
+      x_spec: the dense ids' layout where it cannot be read (e.g. `P("data")`).
+      exchange, capacity_factor, impl: as in `jaxembed.embedding_bag`, for every call
+        (`exchange` may be a mapping from stack index to exchange).
+    """
+    outputs: dict[str, jax.Array] = {}
+    batch = checked_batch(layout, batch)  # other keys: not ours
+    groups = groups_of(layout, batch)
+    for name, value in batch.items():
+        _check_ids(layout, name, value)
+    for group in groups:
+        stack = layout.stacks[group.stack]
+        ids, lengths, weights, pieces = _operands(layout, group, batch)
+        table = stacks[group.stack]
+        out = embedding_bag(
+            ids, table, lengths=lengths, per_id_weights=weights,
+            combiner=group.combiner, vocab_size=stack.shape[0], mesh=mesh,
+            x_spec=_spec(x_spec, ids), weight_spec=stack.spec,
+            exchange=_exchange(exchange, group.stack), capacity_factor=capacity_factor,
+            check_ids=False, impl=impl,
+        )  # fmt: skip
+        out = _to_batch_layout(out, stack, mesh, table, ids, x_spec)
+        outputs.update(_split(out, pieces, group.kind))
+    return {f.name: outputs[f.name] for f in layout.features}
+
+
+def _to_batch_layout(out: jax.Array, stack: Stack, mesh: Any, table, ids, x_spec: P | None):
+    """A columns stack's output `[*lead, bags, dim]` moved to the batch's layout, its dim
+    whole, as the other stacks' are, so that a dense model can put them side by side
+    (`concat`). XLA reshards it (an all_to_all over the hidden axes, and its transpose for
+    the gradient), as `jaxembed.plan_collection` models it."""
+    if not stack.hidden_axes:
+        return out
+    mesh = resolve_mesh(mesh, table, ids)
+    if mesh is None or mesh.size == 1:
+        return out
+    _, ids_spec = resolve_layouts(ids, table, mesh, x_spec=_spec(x_spec, ids),
+                                  weight_spec=stack.spec, function="collection_lookup")  # fmt: skip
+    lead = tuple(ids_spec)[: ids.ndim - 1]
+    # First the hidden axes the batch uses trade places with it (an all_to_all XLA sees as
+    # such), then the others are gathered: one reshard would replicate the whole output first.
+    batch_axes = {a for e in lead if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    rest = tuple(a for a in stack.hidden_axes if a not in batch_axes)
+    middle = (*lead, *(None,) * (out.ndim - 1 - len(lead)), rest or None)
+    out = move(out, mesh, P(*middle))
+    return move(out, mesh, P(*lead, *(None,) * (out.ndim - len(lead))))
+
+
+def _exchange(exchange: Any, stack: int) -> str:
+    """A stack's exchange: one for all, or per stack index (a `CollectionPlan`'s choice)."""
+    return exchange.get(stack, "auto") if isinstance(exchange, Mapping) else exchange
+
+
+def _spec(x_spec: P | None, ids: jax.Array) -> P | None:
+    if x_spec is None:
+        return None
+    parts = tuple(x_spec)[: ids.ndim - 1]
+    return P(*parts, *(None,) * (ids.ndim - len(parts)))
+
+
+def collection_update(
+    layout: CollectionLayout,
+    optimizer: Any,
+    stacks: Mapping[int, jax.Array],
+    states: Mapping[int, Any],
+    batch: Mapping[str, Any],
+    out_grads: Mapping[str, jax.Array],
+    *,
+    mesh: Any = None,
+    x_spec: P | None = None,
+    exchange: str = "auto",
+    capacity_factor: float | None = None,
+    impl: str = "auto",
+) -> tuple[dict[int, jax.Array], dict[int, Any]]:
+    """Row-sparse update of every stack from the outputs' gradients (`jaxembed.optim`).
+
+    Each stack's rows get one update per call that reads them (one per stack and input form;
+    usually one); a row that two calls of the same stack read in one step (a max-pooled
+    feature sharing a table with a summed one, or a dense and a `Ragged` input of one table)
+    gets one update per call, and a warning says so.
+
+    Args:
+      layout, batch, mesh, x_spec, exchange, capacity_factor, impl: as `collection_lookup`.
+      optimizer: a `jaxembed.optim.RowSparseOptimizer`.
+      stacks, states: each stack's table and optimizer state, by stack index.
+      out_grads: d loss / d output, per feature, shaped as `collection_lookup`'s outputs.
+
+    Returns:
+      The new stacks and states, by stack index.
+    """
+    stacks, states = dict(stacks), dict(states)
+    batch = checked_batch(layout, batch)
+    groups = groups_of(layout, batch)
+    per_stack: dict[int, int] = {}
+    for g in groups:
+        per_stack[g.stack] = per_stack.get(g.stack, 0) + 1
+    for index, n in per_stack.items():
+        if n > 1:
+            warn_once(
+                "collection-groups",
+                f"the collection's stack {layout.stacks[index].name} is read by {n} calls in one "
+                "step (inputs of different forms, or max-pooled features beside summed ones): "
+                "a row that more than one of them reads gets one update per call",
+            )
+    for group in groups:
+        stack = layout.stacks[group.stack]
+        ids, lengths, weights, pieces = _operands(layout, group, batch)
+        out_grad = _join(group, pieces, out_grads, ids, stack)
+        stacks[group.stack], states[group.stack] = optimizer.update(
+            stacks[group.stack], states[group.stack], ids, out_grad, lengths=lengths,
+            per_id_weights=weights, combiner=group.combiner, vocab_size=stack.shape[0],
+            mesh=mesh, x_spec=_spec(x_spec, ids), weight_spec=stack.spec,
+            exchange=_exchange(exchange, group.stack), capacity_factor=capacity_factor, impl=impl,
+        )  # fmt: skip
+    return stacks, states
+
+
+def _join(group: Group, pieces, out_grads, ids, stack: Stack) -> jax.Array:
+    """The call's output gradient `[*lead, B_total, dim]` from the features' gradients."""
+    lead = ids.shape[:-1]
+    blocks = []
+    for name, _, count, pooled in pieces:
+        g = jnp.asarray(out_grads[name])
+        if group.kind in ("dense", "stacked"):
+            g = g[..., None, :] if pooled else g
+        else:
+            g = g.reshape(*lead, count, stack.dim)
+            g = jnp.pad(g, [(0, 0)] * (g.ndim - 2) + [(0, 1), (0, 0)])  # the gap bag's zero
+        blocks.append(g)
+    return jnp.concatenate(blocks, axis=-2)

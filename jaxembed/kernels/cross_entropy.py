@@ -1,0 +1,329 @@
+"""The vocab-parallel cross-entropy's `shard_map` bodies, and the entry point that runs them.
+
+`vocab_parallel_cross_entropy` checks its arguments, plans the loss
+(`jaxembed.plan.cross_entropy.plan_cross_entropy`), moves `hidden` and the labels into the
+plan's layouts and runs two `shard_map`s under one `jax.custom_vjp`: the forward (an online
+log-sum-exp over the chunks of each device's rows, one `all_gather` of the statistics over
+R) and the backward (each chunk of logits recomputed from the saved log-sum-exp). The math
+is in `jaxembed.losses`' docstring; `jaxembed.losses` is the public face.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxembed.ids import as_ids
+from jaxembed.kernels.arrays import (
+    is_explicit,
+    move,
+    normalize_spec,
+    resolve_mesh,
+    spec_of,
+    warn_if_layout_unknown,
+)
+from jaxembed.plan.cross_entropy import CrossEntropyPlan, plan_cross_entropy
+
+__all__ = ["Reduction", "vocab_parallel_cross_entropy"]
+
+Reduction = Literal["none", "sum", "mean"]
+
+
+# --- the shard_map bodies -----------------------------------------------------------------
+
+
+def _vary(x: jax.Array, *refs: jax.Array, drop: tuple[str, ...] = ()) -> jax.Array:
+    """`x` typed as varying over the mesh axes `refs` vary over, less `drop` (check_vma)."""
+    want = frozenset().union(*(_varying(r) for r in refs)) - set(drop) - _varying(x)
+    return jax.lax.pcast(x, tuple(sorted(want)), to="varying") if want else x
+
+
+def _varying(x: jax.Array) -> frozenset[str]:
+    axis_type = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(axis_type.varying) if axis_type is not None else frozenset()
+
+
+def _row_start(plan: CrossEntropyPlan) -> jax.Array | int:
+    """The global row id of this device's first table row."""
+    if not plan.row_axes:
+        return 0
+    return jax.lax.axis_index(plan.row_axes) * plan.rows_per_shard
+
+
+def _chunk_logits(plan: CrossEntropyPlan, h: jax.Array, t: jax.Array, c: jax.Array):
+    """Logits of chunk `c` of this device's rows, their global row ids, and the rows."""
+    size = plan.chunk_rows
+    t_c = jax.lax.dynamic_slice_in_dim(t, c * size, size, axis=0)  # f[C, H/K]
+    z = jnp.einsum("th,vh->tv", h, t_c, preferred_element_type=jnp.float32)  # f32[T, C]
+    if plan.hidden_axes:  # each device multiplied its slice of the hidden axis
+        z = jax.lax.psum(z, plan.hidden_axes)
+    rows = _row_start(plan) + c * size + jnp.arange(size)  # i32[C]
+    return z, rows, t_c
+
+
+def _target_mass(plan: CrossEntropyPlan, labels: jax.Array) -> jax.Array:
+    """The targets' sum per token: 1, or `eps` for a label outside the vocabulary (optax's)."""
+    in_vocab = (labels >= 0) & (labels < plan.vocab_size)
+    return jnp.where(in_vocab, 1.0, plan.label_smoothing)
+
+
+def _forward_body(plan: CrossEntropyPlan, h: jax.Array, t: jax.Array, labels: jax.Array):
+    # h: f[*tokens/B, H/K]   t: f[V/R, H/K]   labels: i32[*tokens/B]
+    tokens = labels.shape
+    h = h.reshape(-1, h.shape[-1])  # f[T, H/K]
+    labels = labels.reshape(-1)  # i32[T]
+
+    def step(carry, c):  # the online log-sum-exp of this device's rows, chunk by chunk
+        m, s = carry  # f32[T] each
+        z, rows, _ = _chunk_logits(plan, h, t, c)  # f32[T, C]
+        zm = jnp.where(rows[None, :] < plan.vocab_size, z, -jnp.inf)  # padding rows get no mass
+        m_new = jnp.maximum(m, zm.max(axis=-1))
+        shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # all rows so far are padding
+        s = s * jnp.exp(m - shift) + jnp.exp(zm - shift[:, None]).sum(axis=-1)
+        return (m_new, s), None
+
+    zeros = _vary(jnp.zeros(labels.shape, jnp.float32), h, t, labels, drop=plan.hidden_axes)
+    (m, s), _ = jax.lax.scan(step, (zeros - jnp.inf, zeros), jnp.arange(plan.num_chunks))
+    # The label's logit and the sum of the logits are linear in the rows: no [T, C] block.
+    start = _row_start(plan)
+    local = labels - start
+    own = (local >= 0) & (local < plan.rows_per_shard) & (labels < plan.vocab_size)
+    t_label = jnp.take(t, jnp.where(own, local, 0), axis=0, mode="clip")  # f[T, H/K]
+    z_label = jnp.where(
+        own, jnp.einsum("th,th->t", h, t_label, preferred_element_type=jnp.float32), 0.0
+    )
+    real = (start + jnp.arange(plan.rows_per_shard)) < plan.vocab_size  # bool[V/R]
+    row_sum = jnp.einsum("v,vh->h", real.astype(t.dtype), t, preferred_element_type=jnp.float32)
+    z_sum = jnp.einsum("th,h->t", h, row_sum, preferred_element_type=jnp.float32)  # f32[T]
+    if plan.hidden_axes:  # partial over the table's hidden split
+        z_label, z_sum = jax.lax.psum((z_label, z_sum), plan.hidden_axes)
+    if plan.row_axes:  # one collective: every device combines every shard's statistics
+        stats = jnp.stack([m, s, z_label, z_sum])  # f32[4, T]
+        every = jax.lax.all_gather(stats, plan.row_axes, to="invarying")  # f32[R, 4, T]
+        m = every[:, 0].max(axis=0)
+        shift = jnp.where(jnp.isfinite(m), m, 0.0)
+        s = (every[:, 1] * jnp.exp(every[:, 0] - shift[None, :])).sum(axis=0)
+        z_label, z_sum = every[:, 2].sum(axis=0), every[:, 3].sum(axis=0)
+    else:
+        shift = jnp.where(jnp.isfinite(m), m, 0.0)
+    lse = shift + jnp.log(s)  # f32[T]
+    eps = plan.label_smoothing
+    loss = (
+        _target_mass(plan, labels) * lse - (1.0 - eps) * z_label - (eps / plan.vocab_size) * z_sum
+    )
+    if plan.z_loss:
+        loss = loss + plan.z_loss * lse**2
+    if plan.ignore_index is not None:
+        loss = jnp.where(labels == plan.ignore_index, 0.0, loss)
+    return loss.reshape(tokens), lse.reshape(tokens)  # f32[*tokens/B] twice
+
+
+def _backward_body(plan, h, t, labels, lse, g):
+    # h: f[*tokens/B, H/K]   t: f[V/R, H/K]   labels: i32[*tokens/B]   lse, g: f32[*tokens/B]
+    h_shape = h.shape
+    h = h.reshape(-1, h.shape[-1])  # f[T, H/K]
+    labels, lse, g = labels.reshape(-1), lse.reshape(-1), g.reshape(-1).astype(jnp.float32)
+    if plan.ignore_index is not None:
+        g = jnp.where(labels == plan.ignore_index, 0.0, g)
+    eps = plan.label_smoothing
+    p_coef = g * (_target_mass(plan, labels) + 2.0 * plan.z_loss * lse)  # f32[T]
+    size = plan.chunk_rows
+
+    def step(carry, c):
+        dh, dt = carry  # f32[T, H/K], f32[V/R, H/K]
+        z, rows, t_c = _chunk_logits(plan, h, t, c)  # f32[T, C]
+        valid = rows[None, :] < plan.vocab_size  # bool[1, C]
+        p = jnp.where(valid, jnp.exp(z - lse[:, None]), 0.0)
+        target = (1.0 - eps) * (valid & (rows[None, :] == labels[:, None])) + jnp.where(
+            valid, eps / plan.vocab_size, 0.0
+        )
+        dz = p_coef[:, None] * p - g[:, None] * target  # f32[T, C]
+        dh = dh + dz @ t_c.astype(jnp.float32)
+        dt_c = dz.T @ h.astype(jnp.float32)  # f32[C, H/K]
+        return (dh, jax.lax.dynamic_update_slice_in_dim(dt, dt_c, c * size, axis=0)), None
+
+    dh = _vary(jnp.zeros(h.shape, jnp.float32), h, t, labels, lse, g)
+    dt = _vary(jnp.zeros(t.shape, jnp.float32), h, t, labels, lse, g)
+    (dh, dt), _ = jax.lax.scan(step, (dh, dt), jnp.arange(plan.num_chunks))
+    if plan.row_axes:  # every vocab shard contributed to every token's hidden gradient
+        dh = jax.lax.psum(dh, plan.row_axes)
+    if plan.batch_axes:  # every token shard contributed to the table's gradient
+        dt = jax.lax.psum(dt, plan.batch_axes)
+    return dh.reshape(h_shape).astype(h.dtype), dt.astype(t.dtype)
+
+
+# --- custom_vjp over the two shard_maps ----------------------------------------------------
+
+
+def _run(body, plan: CrossEntropyPlan, mesh: Any, in_specs, out_specs):
+    fn = functools.partial(body, plan)
+    if mesh is None:
+        return fn
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
+
+
+def _forward(plan, mesh, hidden, table, labels):
+    specs = (plan.hidden_spec, plan.weight_spec, plan.tokens_spec)
+    run = _run(_forward_body, plan, mesh, specs, (plan.tokens_spec, plan.tokens_spec))
+    return run(hidden, table, labels)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _cross_entropy(plan, mesh, hidden, table, labels):
+    return _forward(plan, mesh, hidden, table, labels)[0]
+
+
+def _cross_entropy_fwd(plan, mesh, hidden, table, labels):
+    loss, lse = _forward(plan, mesh, hidden, table, labels)
+    return loss, (hidden, table, labels, lse)
+
+
+def _cross_entropy_bwd(plan, mesh, residuals, g):
+    hidden, table, labels, lse = residuals
+    g = move(g, mesh, plan.tokens_spec)
+    tok = plan.tokens_spec
+    run = _run(
+        _backward_body, plan, mesh, (plan.hidden_spec, plan.weight_spec, tok, tok, tok),
+        (plan.hidden_spec, plan.weight_spec),
+    )  # fmt: skip
+    hidden_grad, table_grad = run(hidden, table, labels, lse, g)
+    return hidden_grad, table_grad, None
+
+
+_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+
+
+# --- the public entry point ----------------------------------------------------------------
+
+
+def vocab_parallel_cross_entropy(
+    hidden: jax.Array,
+    table: jax.Array,
+    labels: jax.Array,
+    *,
+    vocab_size: int | None = None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    ignore_index: int | None = None,
+    vocab_chunk_size: int | None = None,
+    reduction: Reduction = "none",
+    mesh: Any = None,
+    hidden_spec: P | None = None,
+    weight_spec: P | None = None,
+) -> jax.Array:
+    """Softmax cross-entropy of `hidden @ table.T` against integer labels, vocab-parallel.
+
+    Equal, with its gradients for `hidden` and `table`, to
+    `optax.softmax_cross_entropy(logits, optax.smooth_labels(one_hot(labels, vocab_size),
+    label_smoothing)) + z_loss * logsumexp(logits) ** 2` on the dense logits
+    `hidden @ table[:vocab_size].T`, but no device holds more than `[tokens, V/n]` logits
+    (`[tokens, vocab_chunk_size]` with chunking), nor the table's rows of another device.
+
+    Args:
+      hidden: `[*tokens, H]`, float32 or bfloat16 (logits accumulate in float32).
+      table: the tied table `[V, H]`, usually split on its vocab axis; `V` may be padded.
+      labels: integer `[*tokens]`. A label outside `[0, vocab_size)` (other than
+        `ignore_index`) has no target logit, as `optax` with `jax.nn.one_hot` has.
+      vocab_size: the real rows (default `V`); padding rows get no probability and a zero
+        gradient.
+      label_smoothing: `eps` in `[0, 1)`: targets `(1 - eps) * one_hot + eps / vocab_size`.
+      z_loss: weight of `logsumexp(logits) ** 2` per token (PaLM's z-loss).
+      ignore_index: a label whose token has loss 0 and no gradient (e.g. -100).
+      vocab_chunk_size: rows per logits chunk on each device; must divide the rows a device
+        holds. Bounds the logits block to `[tokens, vocab_chunk_size]` (default: all rows).
+      reduction: `"none"` (per-token loss), `"sum"`, or `"mean"` over tokens whose label is
+        not `ignore_index`.
+      mesh: the mesh; default `jax.set_mesh`'s, else the arrays' own, else one device.
+      hidden_spec, weight_spec: layouts; default read from the arrays (a concrete array's
+        sharding, or its type in an Explicit mesh). Under `jit` in an Auto mesh pass both.
+
+    Returns:
+      float32 loss: `[*tokens]` laid out like hidden's tokens, or a scalar when reduced.
+
+    Raises:
+      TypeError: non-integer labels, a non-float table or hidden.
+      ValueError: mismatched shapes, splits that do not divide, options out of range, a
+        table whose layout differs from `weight_spec` in an Explicit mesh.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((2, 4), ("data", "model"))
+      >>> k1, k2 = jax.random.split(jax.random.key(0))
+      >>> table = jax.device_put(jax.random.normal(k1, (1024, 16)),
+      ...                        NamedSharding(mesh, P("model", None)))
+      >>> hidden = jax.device_put(jax.random.normal(k2, (4, 8, 16)),
+      ...                         NamedSharding(mesh, P("data")))
+      >>> labels = jnp.arange(32).reshape(4, 8)
+      >>> loss = vocab_parallel_cross_entropy(hidden, table, labels)
+      >>> loss.shape, loss.sharding.spec
+      ((4, 8), P('data', None))
+      >>> logits = np.asarray(hidden) @ np.asarray(table).T  # the dense reference, in numpy
+      >>> dense = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+      >>> bool(jnp.allclose(loss, dense, rtol=1e-5))
+      True
+    """
+    hidden = hidden if isinstance(hidden, jax.Array | jax.core.Tracer) else jnp.asarray(hidden)
+    labels = as_ids(labels, "labels")  # any width, checked before it is narrowed
+    for name, a in (("hidden", hidden), ("table", table)):
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise TypeError(f"{name} must be floating point, got {a.dtype}")
+    if jnp.ndim(table) != 2:
+        raise ValueError(f"table must be a 2-D table [vocab, hidden], got shape {table.shape}")
+    if hidden.ndim < 1 or hidden.shape[-1] != table.shape[1] or labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"expected hidden [*tokens, {table.shape[1]}] and labels [*tokens] for a table "
+            f"{table.shape}; got hidden {hidden.shape} and labels {labels.shape}"
+        )
+    if reduction not in ("none", "sum", "mean"):
+        raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
+    mesh = resolve_mesh(mesh, table, hidden)
+    if mesh is not None and mesh.size == 1 and hidden_spec is None and weight_spec is None:
+        mesh = None
+    if mesh is not None:
+        given = spec_of(table, mesh)
+        if weight_spec is None:
+            warn_if_layout_unknown(
+                table,
+                mesh,
+                function="vocab_parallel_cross_entropy",
+                arg="weight_spec",
+                what="table",
+            )
+            weight_spec = given
+        elif is_explicit(mesh) and normalize_spec(given, 2) != normalize_spec(weight_spec, 2):
+            raise ValueError(
+                f"table is laid out as {given} but weight_spec={weight_spec}: the loss never "
+                "moves the table; drop weight_spec, or reshard the table once with "
+                "jax.sharding.reshard(table, weight_spec)"
+            )
+        if hidden_spec is None:
+            warn_if_layout_unknown(
+                hidden,
+                mesh,
+                function="vocab_parallel_cross_entropy",
+                arg="hidden_spec",
+                what="hidden array",
+            )
+            hidden_spec = spec_of(hidden, mesh)
+    plan = plan_cross_entropy(
+        mesh, hidden.shape, table.shape, hidden_spec=hidden_spec, weight_spec=weight_spec,
+        vocab_size=vocab_size, vocab_chunk_size=vocab_chunk_size,
+        label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index,
+    )  # fmt: skip
+    hidden = move(hidden, mesh, plan.hidden_spec)
+    labels = move(labels.astype(jnp.int32), mesh, plan.tokens_spec)  # int32 holds them
+    loss = _cross_entropy(plan, mesh, hidden, table, labels)
+    loss = move(loss, mesh, plan.out_spec)  # a free slice when the tokens were gathered
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "mean":
+        if ignore_index is None:
+            return loss.mean()
+        count = (labels != ignore_index).sum()
+        return loss.sum() / jnp.maximum(count, 1).astype(jnp.float32)
+    return loss

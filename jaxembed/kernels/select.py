@@ -1,0 +1,28 @@
+"""Which shard-local kernels a plan runs: XLA's (`local`, `sparse`) or their native twins.
+
+The plan decides (`plan.impl`, see `jaxembed.plan.impl`); the bodies ask here which module's
+functions to call. `jaxembed.kernels.native` has the same function names and signatures as
+`jaxembed.kernels.local` (gather, pool, scatter) and `jaxembed.kernels.sparse` (dedup, the
+row-sparse update), so a body calls `kernels_for(plan).gather_rows(...)` either way.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from jaxembed.kernels import local, native
+
+__all__ = ["kernels_for", "native_update"]
+
+
+def kernels_for(plan: Any) -> ModuleType:
+    """The module whose `gather_rows`, `pool_sum`, `pool_max` and `scatter_add` the plan runs:
+    `jaxembed.kernels.local` (XLA), or `jaxembed.kernels.native` (its C++ twins) when
+    `plan.impl` says so."""
+    return native if getattr(plan, "impl", "xla") == "native" else local
+
+
+def native_update(plan: Any) -> bool:
+    """Whether the row-sparse update runs natively (the hidden axis must not be split)."""
+    return getattr(plan, "impl", "xla") == "native" and not plan.hidden_axes

@@ -1,0 +1,199 @@
+"""What both Flax `Embed` modules and both collections share: layouts from Flax metadata.
+
+Helpers of `jaxembed.nn.nnx_embed`, `jaxembed.nn.linen_embed` and the collections (internal):
+
+* the mesh and the table's `PartitionSpec` as a Flax program states them (`current_mesh`,
+  `as_spec`, `check_mesh_names`, `names_mesh_axes`, `batch_hint`);
+* the padded row count of a table and its zero padding rows (`padded_rows`, `pad_rows`);
+* the tied head's logits (`tied_logits`);
+* the exchange option and its deprecated old name, resolved here once (`resolve_exchange`).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax.core import spmd as core_spmd
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxembed.kernels.arrays import is_explicit
+
+__all__ = [
+    "IDS_ADVICE",
+    "as_spec",
+    "batch_hint",
+    "check_mesh_names",
+    "current_mesh",
+    "names_mesh_axes",
+    "out_spec_like_batch",
+    "pad_rows",
+    "padded_rows",
+    "resolve_exchange",
+    "tied_logits",
+]
+
+IDS_ADVICE = (
+    "pass inputs_sharding=PartitionSpec(...) when calling the module, or run it inside "
+    "flax.linen.logical_axis_rules with a 'batch' axis"
+)
+
+
+def current_mesh(mesh: Any = None) -> Any:
+    """`mesh` (metadata), else `jax.set_mesh`'s abstract mesh, else None."""
+    if mesh is not None:
+        return mesh
+    ctx = jax.sharding.get_abstract_mesh()
+    return None if ctx.empty else ctx
+
+
+def as_spec(sharding: Any) -> P | None:
+    """A `PartitionSpec` from a spec, a `NamedSharding`, a tuple of names, or None."""
+    if sharding is None or isinstance(sharding, P):
+        return sharding
+    if isinstance(sharding, NamedSharding):
+        return sharding.spec
+    if isinstance(sharding, tuple | list):
+        return P(*sharding)
+    raise TypeError(
+        f"expected a PartitionSpec, a NamedSharding or a tuple of mesh axis names, got {sharding!r}"
+    )
+
+
+def check_mesh_names(spec: P | None, mesh: Any, what: str) -> None:
+    """Raises when `spec` names an axis the mesh lacks (an unresolved logical name)."""
+    if spec is None or mesh is None:
+        return
+    for entry in spec:
+        for name in (entry,) if isinstance(entry, str) else entry or ():
+            if name not in mesh.axis_names:
+                raise ValueError(
+                    f"{what} {spec} names {name!r}, which is not an axis of the mesh "
+                    f"{tuple(mesh.axis_names)}: if {name!r} is a logical axis name, call the "
+                    f"module inside flax.linen.logical_axis_rules([({name!r}, <mesh axis or "
+                    "None>), ...]), as at initialization"
+                )
+
+
+def names_mesh_axes(spec: P | None, mesh: Any) -> bool:
+    """Whether every name in `spec` is an axis of `mesh` (False for an unresolved logical
+    name, True when there is no mesh to check against)."""
+    if spec is None or mesh is None:
+        return True
+    for entry in spec:
+        for name in (entry,) if isinstance(entry, str) else entry or ():
+            if name not in mesh.axis_names:
+                return False
+    return True
+
+
+def batch_hint(inputs_sharding: Any, mesh: Any) -> P | None:
+    """The ids' layout a Flax program states: `inputs_sharding`, else the active logical axis
+    rules' mapping of `"batch"` (Flax's and MaxText's name for the batch axis)."""
+    if inputs_sharding is not None:
+        return as_spec(inputs_sharding)
+    rules = core_spmd.get_logical_axis_rules()
+    for name, axes in rules or ():
+        if name == "batch" and axes is not None and mesh is not None:
+            spec = P(axes)
+            return spec if names_mesh_axes(spec, mesh) else None
+    return None
+
+
+def padded_rows(num_embeddings: int, spec: P | None, mesh: Any, multiple: int | None) -> int:
+    """Rows of the parameter: `num_embeddings` rounded up to the row shards (and `multiple`)."""
+    if multiple is not None and (isinstance(multiple, bool) or not int(multiple) >= 1):
+        raise ValueError(f"pad_to_multiple_of must be a positive int or None, got {multiple!r}")
+    step = int(multiple or 1)
+    if spec is not None and mesh is not None and len(spec) > 0 and spec[0] is not None:
+        row_axes = (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
+        sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+        if all(a in sizes for a in row_axes):
+            step = math.lcm(step, math.prod(sizes[a] for a in row_axes))
+    return -(-num_embeddings // step) * step
+
+
+def pad_rows(table: jax.Array, rows: int) -> jax.Array:
+    """Appends zero rows up to `rows` (the padding rows, never read nor updated)."""
+    extra = rows - table.shape[0]
+    if extra <= 0:
+        return table
+    return jnp.concatenate([table, jnp.zeros((extra, table.shape[1]), table.dtype)])
+
+
+def out_spec_like_batch(query: jax.Array, mesh: Any) -> P | None:
+    """In an Explicit mesh: the query's batch axes and a whole last axis (for `attend`)."""
+    if not is_explicit(mesh):
+        return None
+    spec = jax.typeof(query).sharding.spec
+    parts = tuple(spec) + (None,) * (query.ndim - len(spec))
+    return P(*parts[:-1], None)
+
+
+def tied_logits(
+    query: jax.Array, table: jax.Array, num_embeddings: int, mesh: Any, out_sharding: Any
+) -> jax.Array:
+    """`query @ table.T` over the real rows: the body of both modules' `attend`.
+
+    Internal. The logits take `out_sharding`, by default the query's batch axes with the
+    vocab axis whole (an Explicit mesh needs it said); padding rows are cut off.
+    """
+    if out_sharding is None:
+        out_sharding = out_spec_like_batch(query, mesh)
+    logits = jnp.dot(query, table.T, out_sharding=out_sharding)
+    if table.shape[0] != num_embeddings:
+        logits = logits[..., :num_embeddings]
+    return logits
+
+
+def resolve_exchange(exchange: str, gradient_exchange: str | None, where: str) -> str:
+    """The lookup's exchange from `exchange` and its deprecated old name `gradient_exchange`.
+
+    The one place the old name is read: it warns (a `DeprecationWarning` naming `exchange`)
+    and stands for `exchange`.
+
+    Args:
+      exchange: the exchange (`"auto"`, `"dense"`, `"rows"`, `"routed"`).
+      gradient_exchange: the old name's value, or None (not given).
+      where: the module, e.g. `"jaxembed.nnx.Embed"`, for the messages.
+
+    Returns:
+      The exchange to run.
+
+    Raises:
+      ValueError: both names given, with different values.
+    """
+    if gradient_exchange is None:
+        return exchange
+    if exchange != "auto" and exchange != gradient_exchange:
+        raise ValueError(
+            f"{where}(exchange={exchange!r}, gradient_exchange={gradient_exchange!r}): the two "
+            f"disagree; gradient_exchange is exchange's old name: pass "
+            f"{where}(..., exchange={exchange!r}) only"
+        )
+    warnings.warn(
+        f"{where}: gradient_exchange is deprecated, use exchange: "
+        f"{where}(..., exchange={gradient_exchange!r})",
+        DeprecationWarning,
+        stacklevel=_caller_level(),
+    )
+    return gradient_exchange
+
+
+# Frames of the modules' construction, which a deprecation warning skips to name the user's line.
+_INTERNAL = ("jaxembed.nn.", "flax.", "dataclasses")
+
+
+def _caller_level() -> int:
+    """The `stacklevel` of the first frame outside these modules and Flax's (the user's line
+    that builds the module), so that the warning names it."""
+    # As `warnings.warn` counts from `resolve_exchange`: 1 is it, 2 its caller.
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -1,0 +1,158 @@
+"""A collection's stacks for the Flax modules: built from tables, read back, and planned.
+
+Shared by `jaxembed.nn.nnx_collection` and `jaxembed.nn.linen_collection`:
+
+* `build_stack`, `place`: the physical stack holding its tables' rows, put in its layout;
+* `unstack`: each table back in id order (for export and checks);
+* `concat_features`: the pooled outputs side by side;
+* `auto_plan`, `planned`: `placements="auto"` planned now, a `jaxembed.plan_collection`
+  result's tables and exchanges applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxembed.collection.checks import check_array
+from jaxembed.collection.config import TableConfig
+from jaxembed.collection.layout import CollectionLayout, Stack
+from jaxembed.kernels.arrays import is_explicit
+from jaxembed.plan.collection import plan_collection
+
+__all__ = ["auto_plan", "build_stack", "concat_features", "place", "planned", "unstack"]
+
+
+def build_stack(
+    layout: CollectionLayout,
+    stack: Stack,
+    values: Mapping[str, jax.Array],
+    *,
+    per_row: bool = False,
+    dtype: Any = None,
+):
+    """The physical stack holding `values[name]` (each `[V, dim]` in id order, or `[V]` with
+    `per_row`, a one-per-row optimizer state) in its rows.
+
+    Args:
+      layout, stack: the collection's layout and the stack to build.
+      values: every table of the stack, by name (numpy, jax or traced).
+      per_row: the values are one per row, `[V]` (f32 unless `dtype` says otherwise).
+      dtype: the stack's dtype; default the tables' (f32 for `per_row`).
+
+    Raises:
+      ValueError: a table missing from `values`, or one whose shape is not exactly `[V, dim]`
+        (`[V]`): it would be broadcast over every row (`jaxembed.collection.checks`).
+    """
+    shape = stack.shape[:1] if per_row else stack.shape
+    if dtype is None:
+        dtype = jnp.float32 if per_row else stack.dtype
+    missing = [n for n in stack.tables if n not in values]
+    if missing:
+        raise ValueError(f"build_stack: no values for tables {missing} of stack {stack.name}")
+    for name in stack.tables:
+        p = layout.placement(name)
+        want = (p.vocab_size,) if per_row else (p.vocab_size, p.dim)
+        check_array(
+            f"build_stack: table {name!r}", values[name], want, dtype,
+            target=f"table {name!r} ({'one value per row' if per_row else '[vocab_size, dim]'})",
+            fix="a table's values are in id order, one row per id (an initializer must return "
+            "the shape it is given)",
+        )  # fmt: skip
+    concrete = not any(isinstance(values[n], jax.core.Tracer) for n in stack.tables)
+    # Concrete values are stacked on the host (numpy, one buffer), not by an op per table on
+    # arrays that a mesh context may replicate on every device.
+    out = np.zeros(shape, dtype) if concrete else jnp.zeros(shape, dtype)
+    for name in stack.tables:
+        p = layout.placement(name)
+        rows = p.stack_ids(np.arange(p.vocab_size, dtype=np.int32), stack.local_rows)
+        if concrete:
+            out[rows] = np.asarray(values[name], dtype)
+        else:
+            out = out.at[rows].set(jnp.asarray(values[name], dtype))
+    return out
+
+
+def place(array: Any, mesh: Any, spec: P) -> Any:
+    """A host-built stack put straight into its layout on the mesh (a traced one as is)."""
+    if not isinstance(array, np.ndarray):
+        return array
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        concrete = jax.sharding.get_mesh()
+        mesh = concrete if getattr(concrete, "axis_names", None) == mesh.axis_names else None
+    if not isinstance(mesh, jax.sharding.Mesh) or mesh.empty:
+        return jnp.asarray(array)
+    return jax.device_put(array, NamedSharding(mesh, spec))
+
+
+def unstack(layout: CollectionLayout, stacks: Mapping[int, jax.Array]) -> dict[str, jax.Array]:
+    """Each table in id order, `[V, dim]` (or `[V]` for one-per-row state), read out of the
+    stacks (a gather: for export)."""
+    out = {}
+    for s in layout.stacks:
+        if s.index not in stacks:
+            continue
+        for name in s.tables:
+            p = layout.placement(name)
+            rows = p.stack_ids(np.arange(p.vocab_size, dtype=np.int32), s.local_rows)
+            array = stacks[s.index]
+            if isinstance(array, np.ndarray):
+                out[name] = array[rows]
+                continue
+            sharding = jax.typeof(array).sharding
+            if is_explicit(getattr(sharding, "mesh", None)):
+                spec = P(None, s.spec[1]) if array.ndim == 2 else P(None)
+                value = array.at[rows].get(out_sharding=NamedSharding(sharding.mesh, spec))
+            else:
+                value = jnp.take(array, rows, axis=0)
+            if not isinstance(value, jax.core.Tracer):
+                # One eager gather at a time: many collective programs in flight at once
+                # can starve XLA:CPU's rendezvous (it aborts after 40 s).
+                value = jax.block_until_ready(value)
+            out[name] = value
+    return out
+
+
+def concat_features(layout: CollectionLayout, outputs: Mapping[str, jax.Array]) -> jax.Array:
+    """The pooled features' outputs side by side, `[B, Σ dim]`, in feature order."""
+    pooled = [outputs[f.name] for f in layout.features if f.pooled]
+    return jnp.concatenate(pooled, axis=-1)
+
+
+def auto_plan(tables, features, mesh, placements: Any, planner: Mapping[str, Any] | None):
+    """`placements="auto"`: the `jaxembed.plan_collection` result for `planner`'s budget
+    (`batch_size`, `memory_per_device`, and optionally `optimizer`, `id_stats`, `backend`);
+    any other `placements` as given."""
+    if not (isinstance(placements, str) and placements == "auto"):
+        if planner:
+            raise ValueError(
+                f"planner={dict(planner)!r} is for placements='auto' (plan now), but placements "
+                f"is {placements!r}: drop planner, or pass placements='auto'"
+            )
+        return placements
+    planner = dict(planner or {})
+    missing = [k for k in ("batch_size", "memory_per_device") if k not in planner]
+    if missing:
+        raise ValueError(
+            "placements='auto' plans the collection when it is built and needs the step's "
+            f"batch and each device's memory: pass planner={{'batch_size': ..., "
+            f"'memory_per_device': '2GiB'}} (missing {missing}), or "
+            "placements=jaxembed.plan_collection(...)"
+        )
+    if mesh is None:  # one device: everything is replicated, nothing to choose
+        return None
+    return plan_collection(tuple(tables), tuple(features), mesh, **planner)
+
+
+def planned(tables: Sequence[TableConfig], placements: Any, exchange: Any):
+    """The tables and exchange a `jaxembed.plan_collection` result chose (else as given)."""
+    configs = getattr(placements, "table_configs", None)
+    if configs is None:
+        return tuple(tables), exchange
+    return tuple(configs), placements.exchanges if exchange == "auto" else exchange

@@ -1,0 +1,78 @@
+"""`jaxembed bench routed --quick`: the routed exchange against the gather path.
+
+Run through the console script (`jaxembed bench routed ...` must dispatch): the record's
+structure, the exchange's two branches in the HLO, the fallback against the buckets, and the
+targets. Timings are recorded, never asserted.
+"""
+
+import pytest
+from bench_runs import check_ok, quick_run
+
+from benchmarks.routed import bench as routed
+from jaxembed import cli
+
+
+@pytest.fixture(scope="module")
+def routed_run(tmp_path_factory):
+    """Through the console script's `main`: `jaxembed bench routed ...` must dispatch."""
+    return quick_run(tmp_path_factory, "routed", lambda argv: cli.main(["bench", *argv]))
+
+
+def test_routed_record(routed_run):
+    record, out = routed_run
+    assert record["schema"] == routed.SCHEMA
+    cfg = routed.QUICK
+    assert len(record["points"]) == len(routed.ROUTED_LAYOUTS) * 2 * len(cfg.main_zipf)
+    for p in record["points"]:
+        assert list(p["implementations"]) == list(cfg.exchanges)
+        for name, result in p["implementations"].items():
+            check_ok(result, (p["name"], name))
+            assert 0 <= result["fallback_rate"] <= 1
+        impls = p["implementations"]
+        assert impls["rows"]["exchange"] == "none" and impls["routed"]["exchange"] == "routed"
+    assert [p["ids_shape"][0] for p in record["batch_sweep"]] == list(cfg.batch_sweep)
+    assert [p["plan"]["gradient_exchange"] for p in record["batch_sweep"]] == ["rows", "dense"]
+    if (out / "plots").exists():
+        assert sorted(f.name for f in (out / "plots").iterdir()) == [
+            "routed_batch.png", "routed_zipf.png"]  # fmt: skip
+
+
+def test_routed_branches_in_the_hlo(routed_run):
+    """The routed program holds both paths; its bytes are told apart by branch."""
+    for p in routed_run[0]["points"]:
+        r = p["implementations"]["routed"]
+        kinds = {b: {c["kind"] for c in r["collectives"] if c["branch"] == b}
+                 for b in ("main", "routed", "fallback")}  # fmt: skip
+        assert "all-to-all" in kinds["routed"], p["name"]  # (+ a psum over the other row axes)
+        assert kinds["fallback"] and "all-to-all" not in kinds["fallback"], p["name"]
+        main = sum(c["wire_bytes"] for c in r["collectives"] if c["branch"] == "main")
+        total = r["wire_bytes"] + r["fallback_wire_bytes"] - main
+        assert r["all_branches_wire_bytes"] == pytest.approx(total)
+        rows = p["implementations"]["rows"]
+        assert rows["fallback_wire_bytes"] is None
+        assert {c["branch"] for c in rows["collectives"]} == {"main"}
+
+
+def test_routed_fallback_matches_the_buckets(routed_run):
+    """The kernel falls back exactly when the batch's busiest bucket passes the capacity
+    (counted on the host from the ids), and then moves the fallback path's bytes."""
+    fell = []
+    for p in routed_run[0]["points"]:
+        r = p["implementations"]["routed"]
+        assert bool(r["fallback"]) == p["routing"]["overflows"], p["name"]
+        want = r["fallback_wire_bytes"] if r["fallback"] else r["wire_bytes"]
+        assert r["effective_wire_bytes"] == want
+        fell.append((p["layout"], p["row_sharding"], p["zipf"], bool(r["fallback"])))
+    # Zipf's hot ids all live on shard 0 with block rows; mod rows spread them
+    assert ("fully-sharded-8", "block", 1.1, True) in fell
+    assert ("fully-sharded-8", "mod", 1.1, False) in fell
+
+
+def test_routed_targets_are_reported(routed_run):
+    targets = routed_run[0]["targets"]
+    assert targets["all_agree_with_reference"] is True
+    for layout in routed.ROUTED_LAYOUTS:
+        for what in ("routed bytes / gather path", "rows looked up / (G/n_S)",
+                     "uniform ids, auto / gather path time"):  # fmt: skip
+            assert isinstance(targets[f"{layout}: {what}"]["met"], bool)
+    assert set(targets["batch sweep: auto / fastest forced"]["per_case"]) == {"B=2", "B=512"}
