@@ -211,7 +211,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             if factory is None or not callable(factory) or args.optimizer.startswith("Row"):
                 raise ValueError(
                     f"--optimizer {args.optimizer!r} is not a jaxembed.optim optimizer (sgd, "
-                    "adagrad, rowwise_adagrad, adam, partial_rowwise_adam, ftrl)"
+                    "adagrad, fbgemm_adagrad, rowwise_adagrad, adam, partial_rowwise_adam, ftrl)"
                 )
             if bag:
                 common.update(combiner=args.combiner or "sum", num_bags=args.bags,

@@ -3,7 +3,8 @@
 * `Embed`: Linen's `Embed` with the lookup and the tied head sharded
   (`jaxembed.nn.linen_embed`);
 * `EmbeddingBagCollection`: tables and the sparse features that read them
-  (`jaxembed.nn.linen_collection`);
+  (`jaxembed.nn.linen_collection`); `embed_tables`: an `nn.Embed` / `nnx.Embed` checkpoint's
+  weights as the collection's tables (`load_tables`);
 * `value_and_grad`, `init_sparse`, `dense_mask`, `sparse_update`, `Grads`: a training step
   where the tables take a row-sparse optimizer and the rest optax (`jaxembed.training.linen`).
 
@@ -11,6 +12,7 @@ See `jaxembed.nnx` for the NNX modules.
 """
 
 from jaxembed.nn.linen_collection import EmbeddingBagCollection as EmbeddingBagCollection
+from jaxembed.nn.linen_collection import embed_tables as embed_tables
 from jaxembed.nn.linen_embed import Embed as Embed
 from jaxembed.training.linen import Grads as Grads
 from jaxembed.training.linen import dense_mask as dense_mask
@@ -23,6 +25,7 @@ __all__ = [
     "EmbeddingBagCollection",
     "Grads",
     "dense_mask",
+    "embed_tables",
     "init_sparse",
     "sparse_update",
     "value_and_grad",

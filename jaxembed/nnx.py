@@ -3,13 +3,15 @@
 * `Embed`, `Table`: Flax NNX's `Embed` with the lookup and the tied head sharded
   (`jaxembed.nn.nnx_embed`);
 * `EmbeddingBagCollection`: tables and the sparse features that read them
-  (`jaxembed.nn.nnx_collection`);
+  (`jaxembed.nn.nnx_collection`); `embed_tables`: an `nnx.Embed` / `nn.Embed` checkpoint's
+  weights as the collection's tables (`load_tables`);
 * `value_and_grad`, `SparseOptimizer`, `Grads`, `DENSE`: a training step where the tables take
   a row-sparse optimizer and the rest optax (`jaxembed.training.nnx`).
 
 See `jaxembed.flax` for the Linen modules.
 """
 
+from jaxembed.nn.linen_collection import embed_tables as embed_tables
 from jaxembed.nn.nnx_collection import EmbeddingBagCollection as EmbeddingBagCollection
 from jaxembed.nn.nnx_embed import Embed as Embed
 from jaxembed.nn.nnx_embed import Table as Table
@@ -25,5 +27,6 @@ __all__ = [
     "Grads",
     "SparseOptimizer",
     "Table",
+    "embed_tables",
     "value_and_grad",
 ]

@@ -11,8 +11,13 @@ def formula_cases(schedule):
         "sgd": formulas.sgd(0.1),
         "sgd_wd": formulas.sgd(0.1, weight_decay=0.05),
         "sgd_schedule": formulas.sgd(schedule),
-        "adagrad": formulas.adagrad(0.1),
-        "adagrad_init_eps": formulas.adagrad(0.1, initial_accumulator_value=0.1, eps=1e-3),
+        "adagrad": formulas.adagrad(0.1),  # optax's: s from 0.1, eps 1e-7 inside the root
+        "adagrad_init_eps": formulas.adagrad(0.1, initial_accumulator_value=0.0, eps=1e-3),
+        "adagrad_schedule": formulas.adagrad(schedule, initial_accumulator_value=0.5, eps=0.0),
+        "fbgemm_adagrad": formulas.fbgemm_adagrad(0.1),  # s from 0, eps 1e-8 outside
+        "fbgemm_adagrad_init_eps": formulas.fbgemm_adagrad(
+            0.1, initial_accumulator_value=0.1, eps=1e-3
+        ),
         "rowwise_adagrad": formulas.rowwise_adagrad(0.1),
         "rowwise_adagrad_l2": formulas.rowwise_adagrad(0.1, weight_decay=0.05, eps=1e-4),
         "rowwise_adagrad_decoupled": formulas.rowwise_adagrad(

@@ -293,6 +293,7 @@ def test_apply_rows_matches_xla_every_formula(name):
     [
         "sgd_wd",
         "adagrad",
+        "fbgemm_adagrad",
         "rowwise_adagrad_decoupled",
         "adam_wd_b1_0",
         "partial_rowwise_adam",

@@ -25,7 +25,8 @@ from jaxembed.optim import reference
 ROWS, HIDDEN, VOCAB, PAD = 64, 16, 59, 7
 OPTIMIZERS = {
     "sgd": lambda: jaxembed.optim.sgd(0.1),
-    "adagrad": lambda: jaxembed.optim.adagrad(0.1, initial_accumulator_value=0.1),
+    "adagrad": lambda: jaxembed.optim.adagrad(0.1),  # optax's: s from 0.1, eps 1e-7 in the root
+    "fbgemm_adagrad": lambda: jaxembed.optim.fbgemm_adagrad(0.1),
     "rowwise_adagrad": lambda: jaxembed.optim.rowwise_adagrad(0.1),
     "rowwise_adagrad_decoupled": lambda: jaxembed.optim.rowwise_adagrad(
         optax.linear_schedule(0.1, 0.01, 5), weight_decay=0.01, weight_decay_mode="decoupled"
@@ -102,14 +103,11 @@ def test_matches_float64_reference(layout, name):
 
 @pytest.mark.parametrize("name", ["sgd", "adagrad"])
 def test_equals_optax_dense_update_where_the_math_agrees(name):
-    """sgd and adagrad (eps 0) on the dense gradient: an untouched row's update is 0."""
+    """sgd and adagrad, at optax's defaults, on the dense gradient: an untouched row's update
+    is 0 (tests/test_optax_equal.py: every layout, both impls, the state too)."""
     mesh = make_mesh((2, 4), AxisType.Explicit)
-    opt = (
-        jaxembed.optim.sgd(0.1)
-        if name == "sgd"
-        else jaxembed.optim.adagrad(0.1, initial_accumulator_value=0.1, eps=0.0)
-    )
-    dense = optax.sgd(0.1) if name == "sgd" else optax.adagrad(0.1, 0.1, eps=0.0)
+    opt = getattr(jaxembed.optim, name)(0.1)
+    dense = getattr(optax, name)(0.1)
     rng = np.random.default_rng(0)
     ids, table, grad = make_inputs(rng, (8, 8), vocab_size=VOCAB, padding_idx=PAD)
     table_d, _ = run_steps(

@@ -3,8 +3,10 @@
 `formulas.RowFormula.apply` (float32, jnp) is checked against `reference.update_rows`
 (float64 numpy, written independently) on random rows, eagerly, under `jax.jit` and with the
 hidden axis split into shards whose `row_sum` is a `psum`. `reference.sparse_step` is checked
-against optax's dense `sgd` and `adagrad` where the math agrees, and against dense `adam`
-where it deliberately does not (lazy Adam leaves untouched rows alone).
+against optax's dense `sgd` and `adagrad` (which `sgd` and `adagrad` are, at optax's defaults
+too; `fbgemm_adagrad` only at eps = 0), and against dense `adam` where it deliberately does
+not agree (lazy Adam leaves untouched rows alone). tests/test_optax_equal.py runs the same
+comparison through the sharded update, on every layout.
 """
 
 import math
@@ -218,16 +220,22 @@ def test_reference_sums_duplicates_and_skips_invalid_ids():
     "ours, theirs",
     [
         (formulas.sgd(0.1), optax.sgd(0.1)),
-        # optax divides by sqrt(s + eps) (and skips s == 0), FBGEMM and we by sqrt(s) + eps:
-        # the two agree exactly only at eps = 0. With initial_accumulator_value > 0 the
-        # untouched rows (g = 0, s > 0) get a zero update in both.
+        (formulas.sgd(0.1, momentum=0.0), optax.sgd(0.1, momentum=0.0)),
+        (formulas.adagrad(0.1), optax.adagrad(0.1)),  # the defaults: s from 0.1, eps 1e-7
         (
-            formulas.adagrad(0.1, initial_accumulator_value=0.1, eps=0.0),
+            formulas.adagrad(0.3, initial_accumulator_value=0.0, eps=1e-3),
+            optax.adagrad(0.3, initial_accumulator_value=0.0, eps=1e-3),
+        ),
+        (formulas.adagrad(SCHEDULE, eps=0.0), optax.adagrad(SCHEDULE, eps=0.0)),
+        # FBGEMM divides by sqrt(s) + eps, optax by sqrt(s + eps): equal only at eps = 0.
+        (
+            formulas.fbgemm_adagrad(0.1, initial_accumulator_value=0.1, eps=0.0),
             optax.adagrad(0.1, initial_accumulator_value=0.1, eps=0.0),
         ),
     ],
-    ids=["sgd", "adagrad"],
-)
+    ids=["sgd", "sgd_momentum_0", "adagrad", "adagrad_init0_eps", "adagrad_schedule",
+         "fbgemm_adagrad_eps0"],
+)  # fmt: skip
 def test_sparse_step_equals_optax_dense_update(ours, theirs):
     """SGD and Adagrad are exactly lazy: a zero gradient moves neither the row nor its state,
     so the row-sparse step equals the dense update of the scatter-added gradient."""
@@ -242,8 +250,25 @@ def test_sparse_step_equals_optax_dense_update(ours, theirs):
             ours, table, states, ids, grads, count=count, vocab_size=VOCAB, padding_idx=PAD
         )
         np.testing.assert_allclose(params, table, rtol=1e-5, atol=1e-6)
-    if ours.name == "adagrad":
+    if ours.slots:
         np.testing.assert_allclose(opt_state[0].sum_of_squares, states[0], rtol=1e-5)
+
+
+def test_fbgemm_adagrad_is_not_optax_adagrad_at_the_defaults():
+    """Issue 23: FBGEMM's defaults (s from 0, eps outside the root) train differently from
+    optax's; `adagrad` is optax's, `fbgemm_adagrad` keeps FBGEMM's."""
+    rng = np.random.default_rng(3)
+    rows, grads = rng.normal(size=(4, 3)), 0.1 * rng.normal(size=(4, 3))
+    states = {n: reference.init_states(f, 4, 3) for n, f in
+              [("optax", formulas.adagrad(0.1)), ("fbgemm", formulas.fbgemm_adagrad(0.1))]}  # fmt: skip
+    assert states["optax"][0][0, 0] == 0.1 and states["fbgemm"][0][0, 0] == 0.0
+    new = {}
+    for n, f in [("optax", formulas.adagrad(0.1)), ("fbgemm", formulas.fbgemm_adagrad(0.1))]:
+        new[n], _ = reference.update_rows(f, rows, grads, states[n], count=0)
+    # optax's first step is lr·g/√(0.1 + g² + eps); FBGEMM's lr·sign(g) (s = g²)
+    np.testing.assert_allclose(new["fbgemm"], rows - 0.1 * np.sign(grads), rtol=1e-6)
+    np.testing.assert_allclose(new["optax"], rows - 0.1 * grads / np.sqrt(0.1 + grads**2 + 1e-7))
+    assert np.abs(new["optax"] - new["fbgemm"]).max() > 0.05
 
 
 @pytest.mark.parametrize("wd", [0.0, 0.01])
@@ -376,6 +401,16 @@ def test_apply_keeps_the_rows_dtype():
             r"weight_decay=-1.0 is outside the valid range \[0.0, inf\)",
         ),
         (lambda: formulas.adagrad(0.1, eps=-1e-8), r"adagrad: eps=-1e-08 is outside"),
+        (lambda: formulas.fbgemm_adagrad(0.1, eps=-1e-8), r"fbgemm_adagrad: eps=-1e-08 is"),
+        (
+            lambda: formulas.fbgemm_adagrad(0.1, initial_accumulator_value=-1.0),
+            r"fbgemm_adagrad: initial_accumulator_value=-1.0",
+        ),
+        (
+            lambda: formulas.sgd(0.1, momentum=0.9),
+            r"sgd: momentum=0.9 is not row-sparse: .* Use jaxembed.optim.sgd\(learning_rate\)",
+        ),
+        (lambda: formulas.sgd(0.1, nesterov=1), r"sgd: nesterov=1 must be a bool"),
         (
             lambda: formulas.adagrad(0.1, initial_accumulator_value=-0.1),
             r"initial_accumulator_value=-0.1",

@@ -675,6 +675,8 @@ void UpdateRowsFor(Formula f, const SortedSlots& sorted, Team& team, const Updat
       return UpdateRows<Formula::kSgd, T, G>(sorted, team, ub, H, hp, row_of, grad_of);
     case Formula::kAdagrad:
       return UpdateRows<Formula::kAdagrad, T, G>(sorted, team, ub, H, hp, row_of, grad_of);
+    case Formula::kFbgemmAdagrad:
+      return UpdateRows<Formula::kFbgemmAdagrad, T, G>(sorted, team, ub, H, hp, row_of, grad_of);
     case Formula::kRowwiseAdagrad:
       return UpdateRows<Formula::kRowwiseAdagrad, T, G>(sorted, team, ub, H, hp, row_of, grad_of);
     case Formula::kAdam:
@@ -691,8 +693,8 @@ ffi::Error ParseUpdate(const char* k, const UpdateAttrs& at, ffi::Buffer<ffi::F3
   if (auto e = CheckThreads(k, at.num_threads); e.failure()) return e;
   if (!ParseFormula(at.formula, f)) {
     return Invalid(k, "unknown formula '" + std::string(at.formula) +
-                          "': expected sgd, adagrad, rowwise_adagrad, adam, "
-                          "partial_rowwise_adam or ftrl");
+                          "': expected sgd, adagrad, fbgemm_adagrad, rowwise_adagrad, "
+                          "adam, partial_rowwise_adam or ftrl");
   }
   if (auto e = CheckShape(k, "scalars", scalars.dimensions(), {3}); e.failure()) return e;
   if (at.power_mode < 0 || at.power_mode > 2) {

@@ -18,12 +18,23 @@
 
 namespace jaxembed {
 
-enum class Formula { kSgd, kAdagrad, kRowwiseAdagrad, kAdam, kPartialRowwiseAdam, kFtrl };
+// kAdagrad is optax's adagrad (eps inside the root, no step where s = 0); kFbgemmAdagrad is
+// FBGEMM's EXACT_ADAGRAD (eps added to √s).
+enum class Formula {
+  kSgd,
+  kAdagrad,
+  kFbgemmAdagrad,
+  kRowwiseAdagrad,
+  kAdam,
+  kPartialRowwiseAdam,
+  kFtrl
+};
 
 inline bool ParseFormula(std::string_view name, Formula* out) {
   static constexpr std::pair<std::string_view, Formula> kNames[] = {
       {"sgd", Formula::kSgd},
       {"adagrad", Formula::kAdagrad},
+      {"fbgemm_adagrad", Formula::kFbgemmAdagrad},
       {"rowwise_adagrad", Formula::kRowwiseAdagrad},
       {"adam", Formula::kAdam},
       {"partial_rowwise_adam", Formula::kPartialRowwiseAdam},
@@ -44,6 +55,7 @@ inline int NumSlots(Formula f) {
     case Formula::kSgd:
       return 0;
     case Formula::kAdagrad:
+    case Formula::kFbgemmAdagrad:
     case Formula::kRowwiseAdagrad:
       return 1;
     default:
@@ -87,6 +99,14 @@ inline void UpdateRow(float* __restrict w, float* __restrict g, float* __restric
     }
     for (int64_t h = 0; h < H; ++h) w[h] = w[h] - lr * g[h];
   } else if constexpr (F == Formula::kAdagrad) {
+    // optax: r = where(s > 0, rsqrt(s + eps), 0);  w + (-lr)·(r·g).
+    for (int64_t h = 0; h < H; ++h) {
+      float s = s0[h] + g[h] * g[h];
+      s0[h] = s;
+      const float r = s > 0.0f ? 1.0f / std::sqrt(s + p.eps) : 0.0f;
+      w[h] = w[h] - lr * (r * g[h]);
+    }
+  } else if constexpr (F == Formula::kFbgemmAdagrad) {
     for (int64_t h = 0; h < H; ++h) {
       float s = s0[h] + g[h] * g[h];
       s0[h] = s;

@@ -33,6 +33,7 @@ __all__ = [
     "layout_known",
     "move",
     "normalize_spec",
+    "place_table",
     "resolve_mesh",
     "spec_of",
     "stated_spec",
@@ -168,6 +169,34 @@ def move(a: jax.Array, mesh: Any, spec: P) -> jax.Array:
     if is_explicit(mesh):
         return jax.sharding.reshard(a, NamedSharding(mesh, spec))
     return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+
+
+def place_table(a: Any, mesh: Any, spec: P) -> Any:
+    """A table (or a collection's stack) born in its layout on `mesh`.
+
+    For the Flax modules' initializers, eager or under `jit`: a concrete array is put on the
+    mesh's devices (`device_put`; an `AbstractMesh`, from `jax.set_mesh`, stands for that
+    context's concrete mesh), a traced one is resharded (Explicit mesh) or constrained (Auto
+    mesh), so that it is split from the start, not replicated until the first step has run.
+    With no mesh it is returned as a jax array, unplaced.
+    """
+    if mesh is None or getattr(mesh, "empty", False):
+        return jnp.asarray(a)
+    sharding = NamedSharding(mesh, spec)
+    if isinstance(a, jax.core.Tracer):
+        if is_explicit(mesh):
+            return jax.sharding.reshard(a, sharding)
+        return jax.lax.with_sharding_constraint(a, sharding)
+    if not isinstance(mesh, jax.sharding.Mesh):
+        concrete = jax.sharding.get_mesh()
+        if (
+            not isinstance(concrete, jax.sharding.Mesh)
+            or concrete.empty
+            or tuple(concrete.axis_names) != tuple(mesh.axis_names)
+        ):
+            return jnp.asarray(a)
+        sharding = NamedSharding(concrete, spec)
+    return jax.device_put(a, sharding)
 
 
 def _axes(entry: Any) -> tuple[str, ...]:

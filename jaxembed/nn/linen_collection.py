@@ -4,6 +4,20 @@ The Linen twin of `jaxembed.nnx.EmbeddingBagCollection` (see `jaxembed.nn.nnx_co
 same tables, features, placements and stacks; its parameters are the stacks, each boxed in an
 `nn.Partitioned` that carries its layout (so `nn.get_sharding` gives the shardings to
 initialize it with), named as the stacks (`stack0_dim64_rows_dataxmodel`, ...).
+
+A Linen module holds no state, so what `jaxembed.nnx.EmbeddingBagCollection` does to itself
+(`tables()`, `load_tables`, `init_optimizer`, `export_optimizer`, `import_optimizer`) the Linen
+collection does to the variables it is given, and returns new ones (`export_tables` is
+`tables()`: `tables` is the attribute holding the configs). Call the methods on the
+collection's definition with the model's variables and the collection's module path
+(`model.embeddings.export_tables(variables, path="embeddings")`, a collection given to the
+model as an attribute), or bound, on a collection of its own
+(`coll.apply(variables, method="export_tables")`). `embed_tables` reads `nn.Embed` / `nnx.Embed`
+weights (a checkpoint of the model being ported) as the tables `load_tables` takes.
+
+The variables may be what `model.init` returns (`{"params": ...}`) or its `["params"]`, boxed
+(`nn.Partitioned`) or not: `find_params` locates a module's parameters in either, and its error
+names the path it looked for and what it found there.
 """
 
 from __future__ import annotations
@@ -15,19 +29,30 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax.core import FrozenDict
 from flax.linen.linear import default_embed_init
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxembed import tape
+from jaxembed.collection.checks import check_exported_optimizer, check_tables
 from jaxembed.collection.config import FeatureConfig, TableConfig
 from jaxembed.collection.layout import CollectionLayout, layout_collection
-from jaxembed.kernels.arrays import is_explicit
+from jaxembed.kernels.arrays import place_table
 from jaxembed.kernels.collection import collection_lookup
 from jaxembed.nn.common import current_mesh
-from jaxembed.nn.stacks import auto_plan, build_stack, concat_features, planned
+from jaxembed.nn.stacks import (
+    auto_plan,
+    build_stack,
+    concat_features,
+    export_states,
+    import_states,
+    planned,
+    unstack,
+)
 
-__all__ = ["EmbeddingBagCollection"]
+__all__ = ["EmbeddingBagCollection", "embed_tables", "find_params", "replace_params"]
 
 
 def _auto_plan(tables, features, mesh, placements, planner):
@@ -45,6 +70,150 @@ def _auto_plan(tables, features, mesh, placements, planner):
 @functools.lru_cache(maxsize=32)
 def _cached_plan(tables, features, mesh, planner):
     return auto_plan(tables, features, mesh, "auto", None if planner is None else dict(planner))
+
+
+def _keys_text(node: Any) -> str:
+    return str(sorted(map(str, node))) if isinstance(node, Mapping) else type(node).__name__
+
+
+def _walk(tree: Any, keys: Sequence[str]) -> tuple[Any, int]:
+    """The node at `keys` in `tree` and how many keys were found (all of them: it is there)."""
+    node = tree
+    for i, key in enumerate(keys):
+        if not isinstance(node, Mapping) or key not in node:
+            return node, i
+        node = node[key]
+    return node, len(keys)
+
+
+def find_params(
+    tree: Any, path: str, names: Sequence[str], *, what: str, module: str = "module"
+) -> tuple[str, ...]:
+    """The keys that lead to the parameters of the Linen module at `path` in `tree`.
+
+    `tree` is a model's variables (`{"params": ...}`, what `model.init` returns) or its params
+    tree; the module's parameters must include every one of `names`.
+
+    Args:
+      tree: the variables or the params (boxed or not, dict or `FrozenDict`).
+      path: the module's path, its names joined by "/" (`""`: the top module).
+      names: the parameters the module must have there.
+      what: who asks, the start of an error (e.g. `"init_sparse"`).
+      module: what the module is, for the error (e.g. `"jaxembed.flax.Embed"`).
+
+    Returns:
+      The keys of the module's node: `("params", *path)` in variables, `(*path,)` in params.
+
+    Raises:
+      ValueError: the module is in neither form, or its parameters lack some of `names`: the
+        error names the path looked for and what the tree holds where the path ends.
+
+    Examples:
+      >>> variables = {"params": {"Embed_0": {"embedding": np.zeros((4, 2))}}}
+      >>> find_params(variables, "Embed_0", ["embedding"], what="demo")
+      ('params', 'Embed_0')
+      >>> find_params(variables["params"], "Embed_0", ["embedding"], what="demo")
+      ('Embed_0',)
+      >>> find_params(variables, "Embed_1", ["embedding"], what="demo")
+      Traceback (most recent call last):
+      ValueError: demo: no parameters of the module at 'Embed_1': looked for ...
+    """
+    if not isinstance(tree, Mapping):
+        raise ValueError(
+            f"{what}: expected the model's variables ({{'params': ...}}, as model.init returns "
+            f"them) or their ['params'] tree, a dict, got {type(tree).__name__}"
+        )
+    parts = tuple(path.split("/")) if path else ()
+    tries = [parts]
+    if "params" in tree and parts[:1] != ("params",):
+        tries.append(("params", *parts))
+    for keys in tries:
+        node, found = _walk(tree, keys)
+        if found == len(keys) and isinstance(node, Mapping) and all(n in node for n in names):
+            return keys
+    shown = path or "(the top module)"
+    for keys in reversed(tries):  # the module's node, in the form the tree has it
+        node, found = _walk(tree, keys)
+        if found == len(keys) and isinstance(node, Mapping):
+            where = "/".join(keys) or "the root"
+            raise ValueError(
+                f"{what}: the {module} at {shown!r} has parameters {_keys_text(node)} (at "
+                f"{where}), but it needs {list(names)}: the variables are of another model, or "
+                "of this module built with other tables, placements or mesh (build and apply "
+                "it under the same jax.set_mesh as model.init)"
+            )
+    looked = " and ".join("tree" + "".join(f"[{k!r}]" for k in keys) for keys in tries)
+    node, found = _walk(tree, tries[-1])
+    stop = "/".join(tries[-1][:found]) or "the root"
+    raise ValueError(
+        f"{what}: no parameters of the {module} at {shown!r}: looked for {looked}; at {stop} "
+        f"the tree has keys {_keys_text(node)}. Pass what model.init returned (the variables, "
+        "{'params': ...}) or its ['params'], for the same model the function applies"
+    )
+
+
+def replace_params(tree: Any, keys: Sequence[str], values: Mapping[str, Any]) -> Any:
+    """`tree` with the parameters `values` (by name) of the node at `keys` replaced: boxes
+    (`nn.Partitioned`) keep their names, a `FrozenDict` stays one; nothing else is copied."""
+
+    def rebuild(node, rest):
+        out = dict(node)
+        if rest:
+            out[rest[0]] = rebuild(node[rest[0]], rest[1:])
+        else:
+            for name, value in values.items():
+                old = out[name]
+                out[name] = old.replace_boxed(value) if isinstance(old, nn.Partitioned) else value
+        return FrozenDict(out) if isinstance(node, FrozenDict) else out
+
+    return rebuild(tree, tuple(keys))
+
+
+def _unbox(x: Any) -> Any:
+    return x.value if isinstance(x, nn.Partitioned) else x
+
+
+def _leaf(x: Any) -> Any:
+    """The array in a Linen box or an `nnx.Variable`, or `x` as is."""
+    if isinstance(x, nn.Partitioned):
+        return x.value
+    if callable(getattr(x, "get_value", None)):  # nnx.Variable (`.value` is deprecated)
+        return x.get_value()
+    return x
+
+
+def embed_tables(tree: Any, names: Mapping[str, str]) -> dict[str, Any]:
+    """The tables of `nn.Embed` / `nnx.Embed` modules of a checkpoint, for `load_tables`.
+
+    A model being ported keeps each table as an embedding module's `embedding` parameter
+    (`{"Embed_0": {"embedding": W}}`); this reads them out by table name. A plain
+    `{table: array}` dict needs no conversion: pass it to `load_tables` as it is.
+
+    Args:
+      tree: the checkpoint: Linen variables (`{"params": ...}`) or params, boxed or not, or
+        an NNX state (`nnx.state(model)`, or `nnx.to_pure_dict` of it).
+      names: `{table: module path}`, e.g. `{"item": "Embed_0", "user": "towers/Embed_1"}`:
+        the jaxembed table each embedding module's weights go to.
+
+    Returns:
+      `{table: [vocab_size, dim]}`, as the checkpoint holds them (numpy or jax arrays).
+
+    Raises:
+      ValueError: a module path not in the tree, or a module without an `embedding`: the
+        path looked for and what the tree holds there are named.
+
+    Examples:
+      >>> ckpt = {"params": {"Embed_0": {"embedding": np.ones((10, 4))}}}
+      >>> {k: v.shape for k, v in embed_tables(ckpt, {"item": "Embed_0"}).items()}
+      {'item': (10, 4)}
+    """
+    out = {}
+    for table, path in names.items():
+        keys = find_params(
+            tree, path, ["embedding"], what=f"embed_tables: table {table!r}", module="Embed"
+        )
+        out[table] = _leaf(_walk(tree, keys)[0]["embedding"])
+    return out
 
 
 class EmbeddingBagCollection(nn.Module):
@@ -129,12 +298,12 @@ class EmbeddingBagCollection(nn.Module):
                 values[name] = init_fn(
                     jax.random.fold_in(key, order[name]), (t.vocab_size, t.dim), t.dtype
                 )
-            array = jnp.asarray(build_stack(layout, stack, values))
             mesh = current_mesh(self.mesh)
+            # Born in its layout (eager `model.init` under `jax.set_mesh` or with `mesh=`, or
+            # under `jit`), not replicated until the first step splits it.
+            array = place_table(build_stack(layout, stack, values), mesh, stack.spec)
             if mesh is None:
                 return array
-            if is_explicit(mesh):  # born in its layout, as jaxembed.flax.Embed's table
-                array = jax.sharding.reshard(array, NamedSharding(mesh, stack.spec))
             return nn.Partitioned(array, names=tuple(stack.spec), mesh=None)
 
         return init
@@ -158,3 +327,185 @@ class EmbeddingBagCollection(nn.Module):
     def concat(self, outputs: Mapping[str, jax.Array]) -> jax.Array:
         """The pooled features' outputs side by side, `[B, Σ dim]`, in feature order."""
         return concat_features(self.layout, outputs)
+
+    def _own(self, variables: Any, path: str, what: str) -> tuple[Any, tuple[str, ...]]:
+        """The tree the methods read (the bound module's variables when none is given) and
+        the keys of this collection's parameters in it."""
+        if variables is None:
+            if self.scope is None:
+                raise ValueError(
+                    f"EmbeddingBagCollection.{what}: pass the variables (what model.init "
+                    f"returned, or its ['params']) and the collection's path, e.g. "
+                    f"coll.{what}(..., variables, path='EmbeddingBagCollection_0'), or call it "
+                    f"bound: coll.apply(variables, method='{what}')"
+                )
+            variables = {"params": self.variables.get("params", {})}
+        names = [s.name for s in self.layout.stacks]
+        keys = find_params(
+            variables, path, names, what=f"EmbeddingBagCollection.{what}",
+            module="jaxembed.flax.EmbeddingBagCollection",
+        )  # fmt: skip
+        return variables, keys
+
+    def _stacks_of(self, variables: Any, keys: Sequence[str]) -> dict[int, jax.Array]:
+        node = _walk(variables, keys)[0]
+        return {s.index: _unbox(node[s.name]) for s in self.layout.stacks}
+
+    def export_tables(self, variables: Any = None, *, path: str = "") -> dict[str, jax.Array]:
+        """Each table in id order, `[vocab_size, dim]`, read out of the variables' stacks.
+
+        `jaxembed.nnx.EmbeddingBagCollection.tables()`'s twin (here `tables` is the
+        attribute holding the `TableConfig`s). Call it under the mesh the variables were made
+        with (the layout depends on it).
+
+        Args:
+          variables: the model's variables (`{"params": ...}`) or params; omitted when bound
+            (`coll.apply(variables, method="export_tables")`).
+          path: the collection's module path in them ("/"-joined; `""`: the collection is
+            the model).
+
+        Returns:
+          `{table: [vocab_size, dim]}` (a gather: for export and checks).
+
+        Raises:
+          ValueError: no parameters of this collection at `path` (the path and what is
+            there are named), or stacks of another layout.
+
+        Examples:
+          >>> import jax, jax.numpy as jnp
+          >>> import jaxembed, jaxembed.flax
+          >>> coll = jaxembed.flax.EmbeddingBagCollection(
+          ...     [jaxembed.TableConfig("item", 10, 4)], [jaxembed.FeatureConfig("f", "item")])
+          >>> variables = coll.init(jax.random.key(0), {"f": jnp.zeros((2, 3), jnp.int32)})
+          >>> coll.export_tables(variables)["item"].shape
+          (10, 4)
+          >>> bool((coll.apply(variables, method="export_tables")["item"]
+          ...       == coll.export_tables(variables["params"])["item"]).all())
+          True
+        """
+        variables, keys = self._own(variables, path, "export_tables")
+        return unstack(self.layout, self._stacks_of(variables, keys))
+
+    def load_tables(
+        self, values: Mapping[str, Any], variables: Any = None, *, path: str = ""
+    ) -> Any:
+        """The variables with every table set from `{name: [vocab_size, dim]}` in id order.
+
+        As `jaxembed.nnx.EmbeddingBagCollection.load_tables`, but returning new variables (of
+        the form given: variables or params, boxes kept, each stack in its old sharding):
+        every table is checked before any is built.
+
+        Args:
+          values: every table of the collection, `[vocab_size, dim]` in id order, of a float
+            dtype (`export_tables`' form; `embed_tables` reads an `nn.Embed` checkpoint as it).
+          variables: the model's variables or params; omitted when bound
+            (`coll.apply(variables, values, method="load_tables")`).
+          path: the collection's module path in them.
+
+        Returns:
+          The variables (params), with this collection's stacks replaced.
+
+        Raises:
+          ValueError: a table missing or not in the collection (both named, beside the
+            collection's); a table of another shape (never broadcast) or of an integer or bool
+            dtype; no parameters of this collection at `path`.
+
+        Examples:
+          >>> import jax, jax.numpy as jnp, numpy as np
+          >>> import jaxembed, jaxembed.flax
+          >>> coll = jaxembed.flax.EmbeddingBagCollection(
+          ...     [jaxembed.TableConfig("item", 10, 4)], [jaxembed.FeatureConfig("f", "item")])
+          >>> variables = coll.init(jax.random.key(0), {"f": jnp.zeros((2, 3), jnp.int32)})
+          >>> new = coll.load_tables({"item": np.ones((10, 4))}, variables)
+          >>> float(coll.export_tables(new)["item"].sum())
+          40.0
+          >>> coll.load_tables({"item": np.ones((1, 4))}, variables)
+          Traceback (most recent call last):
+          ValueError: load_tables: table 'item' has shape [1, 4], but ...
+        """
+        variables, keys = self._own(variables, path, "load_tables")
+        check_tables(self.layout, values)
+        host = {k: np.asarray(v) for k, v in values.items()}
+        old = self._stacks_of(variables, keys)
+        new = {}
+        for s in self.layout.stacks:
+            array = build_stack(self.layout, s, host)
+            if isinstance(getattr(old[s.index], "sharding", None), NamedSharding):
+                array = jax.device_put(array, old[s.index].sharding)
+            new[s.name] = jnp.asarray(array)
+        return replace_params(variables, keys, new)
+
+    def init_optimizer(
+        self, optimizer: Any, variables: Any = None, *, path: str = ""
+    ) -> dict[int, Any]:
+        """The row-sparse optimizer's state of every stack, laid out like it
+        (`jaxembed.flax.init_sparse`'s entry for this collection).
+
+        Args:
+          optimizer: a `jaxembed.optim.RowSparseOptimizer`.
+          variables, path: the model's variables (or params) and the collection's path in
+            them; `variables` omitted when bound.
+
+        Returns:
+          `{stack index: RowSparseState}`.
+        """
+        variables, keys = self._own(variables, path, "init_optimizer")
+        stacks = self._stacks_of(variables, keys)
+        mesh = current_mesh(self.mesh)
+        return {
+            s.index: optimizer.init(stacks[s.index], mesh=mesh, weight_spec=s.spec)
+            for s in self.layout.stacks
+        }
+
+    def export_optimizer(self, states: Mapping[int, Any]) -> dict[str, Any]:
+        """The optimizer states per table in id order, `{table: {"count", "slots": {...}}}`,
+        to checkpoint and `import_optimizer` onto any mesh or placement.
+
+        Args:
+          states: `{stack index: state}`: `init_optimizer`'s, or `init_sparse(...)[path]`
+            (and the `sparse_update`s after it).
+        """
+        return export_states(self.layout, states)
+
+    def import_optimizer(
+        self, optimizer: Any, exported: Mapping[str, Any], variables: Any = None, *,
+        path: str = "",
+    ) -> dict[int, Any]:  # fmt: skip
+        """States for this collection's layout from `export_optimizer`'s per-table form
+        (checked, as `jaxembed.nnx.EmbeddingBagCollection.import_optimizer`, before any state
+        is made).
+
+        Args:
+          optimizer: the `jaxembed.optim.RowSparseOptimizer` that exported the states.
+          exported: `{table: {"count": int32[], "slots": {slot: [vocab_size] or
+            [vocab_size, dim]}}}` for every table.
+          variables, path: the variables the states are for (their stacks give the states'
+            layout) and the collection's path in them; `variables` omitted when bound.
+
+        Returns:
+          `{stack index: RowSparseState}`: put it at the collection's path of `init_sparse`'s
+          states.
+
+        Raises:
+          ValueError: a table missing or not in the collection; another optimizer's export;
+            a slot of another shape or of an integer dtype; tables that share a stack here
+            but were exported with different update counts (`jaxembed.collection.checks`).
+
+        Examples:
+          >>> import jax, jax.numpy as jnp
+          >>> import jaxembed, jaxembed.flax
+          >>> coll = jaxembed.flax.EmbeddingBagCollection(
+          ...     [jaxembed.TableConfig("item", 10, 4)], [jaxembed.FeatureConfig("f", "item")])
+          >>> variables = coll.init(jax.random.key(0), {"f": jnp.zeros((2, 3), jnp.int32)})
+          >>> opt = jaxembed.optim.rowwise_adagrad(0.1)
+          >>> exported = coll.export_optimizer(coll.init_optimizer(opt, variables))
+          >>> sorted(exported["item"]["slots"])
+          ['accumulator']
+          >>> states = coll.import_optimizer(opt, exported, variables)
+          >>> coll.import_optimizer(jaxembed.optim.adam(0.1), exported, variables)
+          Traceback (most recent call last):
+          ValueError: import_optimizer: the state of table 'item' has slots ['accumulator'], ...
+        """
+        check_exported_optimizer(self.layout, optimizer, exported)
+        fresh = self.init_optimizer(optimizer, variables, path=path)
+        return import_states(self.layout, optimizer, exported, fresh)

@@ -37,11 +37,11 @@ from jaxembed.collection.checks import (
 )
 from jaxembed.collection.config import FeatureConfig, TableConfig
 from jaxembed.collection.layout import layout_collection
-from jaxembed.kernels.arrays import is_explicit
+from jaxembed.kernels.arrays import place_table
 from jaxembed.kernels.collection import collection_lookup, collection_update
 from jaxembed.nn.common import current_mesh
 from jaxembed.nn.nnx_embed import Table
-from jaxembed.nn.stacks import auto_plan, build_stack, concat_features, place, planned, unstack
+from jaxembed.nn.stacks import auto_plan, build_stack, concat_features, planned, unstack
 
 __all__ = ["EmbeddingBagCollection"]
 
@@ -80,8 +80,10 @@ class EmbeddingBagCollection(nnx.Module):
         are split by rows over the whole mesh.
       planner: with `placements="auto"`, `jaxembed.plan_collection`'s keyword arguments:
         `batch_size` and `memory_per_device` (required), `optimizer`, `id_stats`, `backend`.
-      x_sharding: the dense inputs' layout where it cannot be read (under `jit` in an Auto
-        mesh), e.g. `P("data")`.
+      x_sharding: the inputs' layout where it cannot be read (under `jit` in an Auto mesh),
+        e.g. `P("data")`. Default: the batch split over all the mesh's axes where that divides
+        (data parallel, as `jax.jit(in_shardings=P(axes))` lays it out; see
+        `jaxembed.kernels.collection`); inputs that carry their layout are read.
       exchange: the lookups' exchange (`"auto"`, `"rows"`, `"routed"`, ...).
       rngs: the rngs; each table draws from `rngs.params()` in table order.
 
@@ -128,10 +130,12 @@ class EmbeddingBagCollection(nnx.Module):
             values[t.name] = init(rngs.params(), (t.vocab_size, t.dim), t.dtype)
         stacks = {}
         for s in self.layout.stacks:
-            array = place(build_stack(self.layout, s, values), mesh, s.spec)
-            if mesh is not None and isinstance(mesh, jax.sharding.Mesh) and not is_explicit(mesh):
-                array = jax.device_put(array, NamedSharding(mesh, s.spec))
-            stacks[s.name] = Table(array, out_sharding=tuple(s.spec) if mesh is not None else None)
+            # Born in its layout, eager (under `jax.set_mesh` or with `mesh=`) or traced.
+            array = place_table(build_stack(self.layout, s, values), mesh, s.spec)
+            metadata = {"out_sharding": tuple(s.spec) if mesh is not None else None}
+            if isinstance(mesh, jax.sharding.Mesh):  # no mesh context: Flax needs it named
+                metadata["mesh"] = mesh
+            stacks[s.name] = Table(array, **metadata)
         self.stacks = nnx.Dict(stacks)
 
     def _stacks(self) -> dict[int, jax.Array]:

@@ -4,6 +4,7 @@ Shared by `jaxembed.nn.nnx_collection` and `jaxembed.nn.linen_collection`:
 
 * `build_stack`, `place`: the physical stack holding its tables' rows, put in its layout;
 * `unstack`: each table back in id order (for export and checks);
+* `export_states`, `import_states`: optimizer states per table in id order, and back;
 * `concat_features`: the pooled outputs side by side;
 * `auto_plan`, `planned`: `placements="auto"` planned now, a `jaxembed.plan_collection`
   result's tables and exchanges applied.
@@ -26,7 +27,16 @@ from jaxembed.collection.layout import CollectionLayout, Stack
 from jaxembed.kernels.arrays import is_explicit
 from jaxembed.plan.collection import plan_collection
 
-__all__ = ["auto_plan", "build_stack", "concat_features", "place", "planned", "unstack"]
+__all__ = [
+    "auto_plan",
+    "build_stack",
+    "concat_features",
+    "export_states",
+    "import_states",
+    "place",
+    "planned",
+    "unstack",
+]
 
 
 def build_stack(
@@ -156,3 +166,39 @@ def planned(tables: Sequence[TableConfig], placements: Any, exchange: Any):
     if configs is None:
         return tuple(tables), exchange
     return tuple(configs), placements.exchanges if exchange == "auto" else exchange
+
+
+def export_states(layout: CollectionLayout, states: Mapping[int, Any]) -> dict[str, Any]:
+    """Per-stack optimizer states as `{table: {"count", "slots": {slot: in id order}}}` (the
+    collections' `export_optimizer`)."""
+    out: dict[str, Any] = {}
+    for s in layout.stacks:
+        state = states[s.index]
+        for name, slot in state.slots.items():
+            for table, value in unstack(layout, {s.index: slot}).items():
+                entry = out.setdefault(table, {"count": state.count, "slots": {}})
+                entry["slots"][name] = value
+    return out
+
+
+def import_states(
+    layout: CollectionLayout, optimizer: Any, exported: Mapping[str, Any], fresh: Mapping[int, Any]
+) -> dict[int, Any]:
+    """`export_states`' form (already checked) built back into per-stack states shaped, typed
+    and placed like `fresh` (`optimizer.init`'s states of this layout)."""
+    out = {}
+    for s in layout.stacks:
+        state = fresh[s.index]
+        slots = {}
+        for slot in optimizer.formula.slots:
+            values = {t: np.asarray(exported[t]["slots"][slot.name]) for t in s.tables}
+            old = state.slots[slot.name]
+            array = build_stack(layout, s, values, per_row=slot.per_row, dtype=old.dtype)
+            if isinstance(getattr(old, "sharding", None), NamedSharding):
+                array = jax.device_put(array, old.sharding)
+            slots[slot.name] = jnp.asarray(array)
+        count = np.asarray(exported[s.tables[0]]["count"], np.int32)
+        if isinstance(getattr(state.count, "sharding", None), NamedSharding):
+            count = jax.device_put(count, state.count.sharding)
+        out[s.index] = state._replace(slots=slots, count=jnp.asarray(count))
+    return out

@@ -15,17 +15,27 @@
     >>> state.slots["accumulator"].sharding.spec, int(state.count)
     (P('model',), 1)
 
-| optimizer | state per row | row update (g: the row's summed gradient) |
-|---|---|---|
-| `sgd` | – | w -= lr·g |
-| `adagrad` | s [H] | s += g²; w -= lr·g/(√s + eps) |
-| `rowwise_adagrad` | s [] | s += mean(g²); w -= lr·g/(√s + eps) (FBGEMM's default) |
-| `adam` | m, v [H] | lazy Adam: only touched rows' moments move; t = the global step |
-| `partial_rowwise_adam` | m [H], v [] | as adam, v from mean(g²) |
-| `ftrl` | n, z [H] | FTRL-proximal (TensorFlow's) |
+Optimizers named like optax's compute optax's formula at optax's defaults, wherever the
+row-sparse step can equal the dense one (an untouched row has a zero gradient, so its dense
+step is zero): `sgd(lr)` is `optax.sgd(lr)` and `adagrad(lr)` is `optax.adagrad(lr)`, tables
+and accumulators alike. FBGEMM's variants keep their own names; the rest have no optax twin.
 
-See `jaxembed.optim.formulas` for the exact formulas and how lazy Adam differs from dense
-Adam and from `torch.optim.SparseAdam`.
+| name | state, start | update of a touched row (g: its summed gradient) | the same as |
+|---|---|---|---|
+| `sgd` | – | w -= lr·g | `optax.sgd(lr)` |
+| `adagrad` | s [H], 0.1 | s += g²; w -= lr·g/√(s + eps), 0 if s = 0 | `optax.adagrad(lr)` |
+| `fbgemm_adagrad` | s [H], 0 | s += g²; w -= lr·g/(√s + eps) | FBGEMM EXACT_ADAGRAD |
+| `rowwise_adagrad` | s [], 0 | s += mean(g²); w -= lr·g/(√s + eps) | FBGEMM (no optax twin) |
+| `adam` | m, v [H], 0 | LAZY Adam: untouched rows' moments stay | not `optax.adam` |
+| `partial_rowwise_adam` | m [H], v [], 0 | lazy Adam, v from mean(g²) | FBGEMM |
+| `ftrl` | n [H], 0.1; z [H] | FTRL-proximal | TensorFlow's `Ftrl` |
+
+eps: 1e-7 for `adagrad` (optax's), 1e-8 for the others. optax's sgd momentum is refused (it
+moves untouched rows); lazy Adam differs from `optax.adam` on purpose (`formulas` says how).
+
+Earlier releases' `adagrad` was FBGEMM's (s from 0, eps = 1e-8 outside the root): that is now
+`fbgemm_adagrad`, with the same defaults. See `jaxembed.optim.formulas` for the exact
+formulas and how lazy Adam differs from dense Adam and from `torch.optim.SparseAdam`.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ __all__ = [
     "adagrad",
     "adam",
     "after",
+    "fbgemm_adagrad",
     "ftrl",
     "partial_rowwise_adam",
     "rowwise_adagrad",
@@ -50,17 +61,45 @@ __all__ = [
 ]
 
 
-def sgd(learning_rate: Any, *, weight_decay: float = 0.0) -> RowSparseOptimizer:
-    """Row-sparse SGD: w -= lr·g on the touched rows (`formulas.sgd`)."""
-    return RowSparseOptimizer(formulas.sgd(learning_rate, weight_decay=weight_decay))
+def sgd(
+    learning_rate: Any,
+    *,
+    momentum: float | None = None,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+) -> RowSparseOptimizer:
+    """Row-sparse SGD, `optax.sgd(learning_rate)` on the touched rows (`formulas.sgd`).
+
+    A momentum is refused (ValueError): optax's keeps moving untouched rows. `weight_decay`
+    decays touched rows only.
+    """
+    return RowSparseOptimizer(
+        formulas.sgd(learning_rate, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
+    )
 
 
 def adagrad(
-    learning_rate: Any, *, initial_accumulator_value: float = 0.0, eps: float = 1e-8
+    learning_rate: Any, *, initial_accumulator_value: float = 0.1, eps: float = 1e-7
 ) -> RowSparseOptimizer:
-    """Row-sparse Adagrad, one accumulator per element (`formulas.adagrad`)."""
+    """Row-sparse Adagrad, exactly `optax.adagrad` with its defaults (`formulas.adagrad`).
+
+    s += g²; w -= lr·g/√(s + eps) (0 where s = 0), s from 0.1. FBGEMM's EXACT_ADAGRAD
+    (eps outside the root, s from 0) is `fbgemm_adagrad`.
+    """
     return RowSparseOptimizer(
         formulas.adagrad(
+            learning_rate, initial_accumulator_value=initial_accumulator_value, eps=eps
+        )
+    )
+
+
+def fbgemm_adagrad(
+    learning_rate: Any, *, initial_accumulator_value: float = 0.0, eps: float = 1e-8
+) -> RowSparseOptimizer:
+    """FBGEMM's element-wise EXACT_ADAGRAD: s += g²; w -= lr·g/(√s + eps), s from 0
+    (`formulas.fbgemm_adagrad`). Not optax's `adagrad`: see `adagrad`."""
+    return RowSparseOptimizer(
+        formulas.fbgemm_adagrad(
             learning_rate, initial_accumulator_value=initial_accumulator_value, eps=eps
         )
     )
@@ -75,7 +114,7 @@ def rowwise_adagrad(
     weight_decay_mode: str = "l2",
 ) -> RowSparseOptimizer:
     """Row-wise Adagrad, one accumulator per row: FBGEMM's EXACT_ROWWISE_ADAGRAD
-    (`formulas.rowwise_adagrad`)."""
+    (`formulas.rowwise_adagrad`). It has no optax twin."""
     return RowSparseOptimizer(
         formulas.rowwise_adagrad(
             learning_rate,
@@ -95,7 +134,12 @@ def adam(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
 ) -> RowSparseOptimizer:
-    """Lazy Adam: only the touched rows' moments move (`formulas.adam`)."""
+    """LAZY (row-sparse) Adam, not `optax.adam`: only the touched rows' moments move
+    (`formulas.adam`).
+
+    Dense Adam decays every row's moments each step and keeps moving rows the batch did not
+    touch; this one leaves them alone. Bias correction uses the global step.
+    """
     return RowSparseOptimizer(
         formulas.adam(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     )

@@ -12,7 +12,9 @@ columns, lr = learning_rate(count) and t = count + 1 (the optimizer's global ste
 
     optimizer             state per row            update of a touched row
     sgd                   -                        g += wd·w;  w -= lr·g
-    adagrad               s f32[H]                 s += g²;  w -= lr·g/(√s + eps)
+    adagrad (optax's)     s f32[H]                 s += g²;  w -= lr·(g·r),
+                                                   r = 1/√(s + eps) where s > 0, else 0
+    fbgemm_adagrad        s f32[H]                 s += g²;  w -= lr·g/(√s + eps)
     rowwise_adagrad       s f32[]                  l2: g += wd·w;  s += mean_H(g²);
                                                    w = c·w - lr·g/(√s + eps),
                                                    c = 1 - lr·wd if decoupled else 1
@@ -25,6 +27,17 @@ columns, lr = learning_rate(count) and t = count + 1 (the optimizer's global ste
                                                    q = n'^-p/lr + 2·l2 + beta/lr
 
 (slot names: s accumulator, m mu, v nu, n accumulator, z linear.)
+
+**Named like optax, computed like optax.** `sgd` and `adagrad` are optax's `sgd` and
+`adagrad`, formula and defaults (adagrad: s starts at 0.1, eps = 1e-7 inside the root, no step
+where s = 0): an untouched row has a zero gradient, so its dense update is zero and its
+accumulator does not grow, and restricting optax's step to the touched rows is exact (the
+same float32 operations in the same order). `sgd`'s `weight_decay` (default 0) is not optax's:
+it decays touched rows only, where `optax.chain(optax.add_decayed_weights(wd), optax.sgd(lr))`
+decays every row; optax's momentum is refused, since it moves untouched rows. FBGEMM's
+element-wise Adagrad (EXACT_ADAGRAD: eps outside the root, s from 0) is `fbgemm_adagrad`.
+`rowwise_adagrad` and `partial_rowwise_adam` are FBGEMM's and have no optax twin; `adam` is
+lazy Adam, not `optax.adam`, and `ftrl` is TensorFlow's.
 
 **Lazy Adam vs dense Adam.** Only touched rows move, moments included: an untouched row's
 m and v stay as they were, where dense Adam (`optax.adam`) decays them every step and,
@@ -63,6 +76,7 @@ import numbers
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 __all__ = [
@@ -70,6 +84,7 @@ __all__ = [
     "StateSlot",
     "adagrad",
     "adam",
+    "fbgemm_adagrad",
     "ftrl",
     "partial_rowwise_adam",
     "rowwise_adagrad",
@@ -102,8 +117,8 @@ class StateSlot:
 class RowFormula:
     """An optimizer as plain data: its name, its state slots and its hyperparameters.
 
-    Build one with a constructor (`sgd`, `adagrad`, `rowwise_adagrad`, `adam`,
-    `partial_rowwise_adam`, `ftrl`); it prints, compares and hashes, so it can be a static
+    Build one with a constructor (`sgd`, `adagrad`, `fbgemm_adagrad`, `rowwise_adagrad`,
+    `adam`, `partial_rowwise_adam`, `ftrl`); it prints, compares and hashes, so it can be a static
     argument of `jax.jit`.
 
     Attributes:
@@ -243,6 +258,14 @@ def _sgd(h, lr, t, w, g, states, row_sum, hidden):
 
 
 def _adagrad(h, lr, t, w, g, states, row_sum, hidden):
+    """optax.adagrad: scale_by_rss, then -lr, then w + u (the same ops in the same order)."""
+    (s,) = states
+    s = s + g * g
+    r = jnp.where(s > 0, jax.lax.rsqrt(s + h["eps"]), 0.0)
+    return w - lr * (r * g), (s,)
+
+
+def _fbgemm_adagrad(h, lr, t, w, g, states, row_sum, hidden):
     (s,) = states
     s = s + g * g
     return w - lr * g / (jnp.sqrt(s) + h["eps"]), (s,)
@@ -308,6 +331,7 @@ def _ftrl(h, lr, t, w, g, states, row_sum, hidden):
 _UPDATES = {
     "sgd": _sgd,
     "adagrad": _adagrad,
+    "fbgemm_adagrad": _fbgemm_adagrad,
     "rowwise_adagrad": _rowwise_adagrad,
     "adam": _adam,
     "partial_rowwise_adam": _partial_rowwise_adam,
@@ -355,18 +379,31 @@ def _formula(name: str, slots: tuple[StateSlot, ...], **hyperparams: Any) -> Row
 # --- constructors ----------------------------------------------------------------------------
 
 
-def sgd(learning_rate: Any, *, weight_decay: float = 0.0) -> RowFormula:
-    """Row-sparse SGD: g += wd·w;  w -= lr·g (no state).
+def sgd(
+    learning_rate: Any,
+    *,
+    momentum: float | None = None,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+) -> RowFormula:
+    """optax's `sgd` on the touched rows: g += wd·w;  w -= lr·g (no state).
+
+    With the defaults this is `optax.sgd(learning_rate)` exactly: an untouched row's
+    gradient is zero, so its dense step is zero too. optax's momentum is not offered: it
+    keeps moving rows the batch did not touch, which a row-sparse step cannot do.
 
     Args:
       learning_rate: a float >= 0 or an optax schedule `count -> lr`.
-      weight_decay: wd >= 0, an L2 term added to the gradient of touched rows only.
+      momentum: None (or 0), as optax's default; any other value is refused.
+      nesterov: optax's flag, meaningless without momentum: accepted and ignored.
+      weight_decay: wd >= 0, an L2 term added to the gradient of touched rows only (not
+        optax's `add_decayed_weights`, which decays every row).
 
     Returns:
       The `RowFormula`.
 
     Raises:
-      ValueError: a hyperparameter out of its range (the message names it).
+      ValueError: a hyperparameter out of its range, or a momentum (the message names it).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -377,21 +414,35 @@ def sgd(learning_rate: Any, *, weight_decay: float = 0.0) -> RowFormula:
       ([[0.5, 0.5, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5]], ())
     """
     lr = _learning_rate("sgd", learning_rate)
+    if momentum is not None and momentum != 0:
+        raise ValueError(
+            f"sgd: momentum={momentum!r} is not row-sparse: optax's momentum keeps moving rows "
+            "the batch did not touch, so a row-sparse step cannot equal it. Use "
+            "jaxembed.optim.sgd(learning_rate) without momentum, jaxembed.optim.adam (lazy "
+            "Adam: touched rows' moments only), or optax.sgd(learning_rate, momentum) on a "
+            "dense table gradient"
+        )
+    if not isinstance(nesterov, bool):
+        raise ValueError(f"sgd: nesterov={nesterov!r} must be a bool")
     wd = _number("sgd", "weight_decay", weight_decay, 0.0)
     return _formula("sgd", (), learning_rate=lr, weight_decay=wd)
 
 
 def adagrad(
-    learning_rate: Any, *, initial_accumulator_value: float = 0.0, eps: float = 1e-8
+    learning_rate: Any, *, initial_accumulator_value: float = 0.1, eps: float = 1e-7
 ) -> RowFormula:
-    """Element-wise Adagrad as FBGEMM's EXACT_ADAGRAD: s += g²;  w -= lr·g/(√s + eps).
+    """optax's `adagrad`, formula and defaults: s += g²;  w -= lr·g/√(s + eps) where s > 0.
 
-    optax's `adagrad` puts eps inside the root (g/√(s + eps)); the two agree at eps = 0.
+    Where s = 0 (a zero gradient and a zero start) the step is 0, as optax's
+    `jnp.where(s > 0, rsqrt(s + eps), 0)`. Restricted to the touched rows this equals
+    `optax.adagrad(learning_rate, initial_accumulator_value, eps)` on the dense gradient:
+    untouched rows have g = 0, so neither they nor their accumulator move. FBGEMM's
+    element-wise Adagrad (eps outside the root, s from 0) is `fbgemm_adagrad`.
 
     Args:
       learning_rate: a float >= 0 or an optax schedule `count -> lr`.
-      initial_accumulator_value: s at the start, >= 0.
-      eps: >= 0, added to √s.
+      initial_accumulator_value: s at the start, >= 0 (optax's default 0.1).
+      eps: >= 0, added to s inside the root (optax's default 1e-7).
 
     Returns:
       The `RowFormula`, state `(accumulator f32[V, H],)`.
@@ -401,17 +452,54 @@ def adagrad(
 
     Examples:
       >>> import jax.numpy as jnp
-      >>> f = adagrad(0.5, eps=0.0)
+      >>> f = adagrad(0.5, initial_accumulator_value=0.0, eps=0.0)
+      >>> rows, grads = jnp.ones((1, 3)), jnp.array([[2.0, -4.0, 0.0]])
+      >>> new_rows, (s,) = f.apply(rows, grads, f.init_state(1, 3), 0,
+      ...                          row_sum=lambda x: x.sum(-1), hidden_size=3)
+      >>> new_rows.tolist(), s.tolist()
+      ([[0.5, 1.5, 1.0]], [[4.0, 16.0, 0.0]])
+      >>> adagrad(0.1).init_state(1, 2)[0].tolist()   # optax's start
+      [[0.10000000149011612, 0.10000000149011612]]
+    """
+    lr = _learning_rate("adagrad", learning_rate)
+    init = _number("adagrad", "initial_accumulator_value", initial_accumulator_value, 0.0)
+    eps = _number("adagrad", "eps", eps, 0.0)
+    return _formula("adagrad", (StateSlot("accumulator", False, init),), learning_rate=lr, eps=eps)
+
+
+def fbgemm_adagrad(
+    learning_rate: Any, *, initial_accumulator_value: float = 0.0, eps: float = 1e-8
+) -> RowFormula:
+    """FBGEMM's element-wise EXACT_ADAGRAD: s += g²;  w -= lr·g/(√s + eps).
+
+    eps is added to √s, outside the root, and s starts at 0: not optax's `adagrad` (see
+    `adagrad`), which no choice of these hyperparameters reproduces except eps = 0.
+
+    Args:
+      learning_rate: a float >= 0 or an optax schedule `count -> lr`.
+      initial_accumulator_value: s at the start, >= 0 (FBGEMM's 0).
+      eps: >= 0, added to √s (FBGEMM's 1e-8).
+
+    Returns:
+      The `RowFormula`, state `(accumulator f32[V, H],)`.
+
+    Raises:
+      ValueError: a hyperparameter out of its range (the message names it).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> f = fbgemm_adagrad(0.5, eps=0.0)
       >>> rows, grads = jnp.ones((1, 2)), jnp.array([[2.0, -4.0]])
       >>> new_rows, (s,) = f.apply(rows, grads, f.init_state(1, 2), 0,
       ...                          row_sum=lambda x: x.sum(-1), hidden_size=2)
       >>> new_rows.tolist(), s.tolist()
       ([[0.5, 1.5]], [[4.0, 16.0]])
     """
-    lr = _learning_rate("adagrad", learning_rate)
-    init = _number("adagrad", "initial_accumulator_value", initial_accumulator_value, 0.0)
-    eps = _number("adagrad", "eps", eps, 0.0)
-    return _formula("adagrad", (StateSlot("accumulator", False, init),), learning_rate=lr, eps=eps)
+    opt = "fbgemm_adagrad"
+    lr = _learning_rate(opt, learning_rate)
+    init = _number(opt, "initial_accumulator_value", initial_accumulator_value, 0.0)
+    eps = _number(opt, "eps", eps, 0.0)
+    return _formula(opt, (StateSlot("accumulator", False, init),), learning_rate=lr, eps=eps)
 
 
 def rowwise_adagrad(

@@ -126,7 +126,12 @@ def update_rows(
         g = g + h["weight_decay"] * w
         return w - lr * g, ()
 
-    if name == "adagrad":
+    if name == "adagrad":  # optax's: eps inside the root, no step where s = 0
+        s = st[0] + g**2
+        r = np.where(s > 0, 1.0 / np.sqrt(np.where(s > 0, s, 1.0) + h["eps"]), 0.0)
+        return w - lr * g * r, (s,)
+
+    if name == "fbgemm_adagrad":  # FBGEMM's EXACT_ADAGRAD: eps outside the root
         s = st[0] + g**2
         return w - lr * g / (np.sqrt(s) + h["eps"]), (s,)
 

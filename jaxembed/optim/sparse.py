@@ -61,7 +61,7 @@ _BAG_ARGS = ("lengths", "offsets", "per_id_weights", "combiner", "include_last_o
 class RowSparseOptimizer:
     """A row-sparse optimizer: `init` its state, `update` a table from a batch's gradient.
 
-    Build one with `jaxembed.optim.sgd`, `adagrad`, `rowwise_adagrad`, `adam`,
+    Build one with `jaxembed.optim.sgd`, `adagrad`, `fbgemm_adagrad`, `rowwise_adagrad`, `adam`,
     `partial_rowwise_adam` or `ftrl`.
 
     Attributes:

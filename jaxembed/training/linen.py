@@ -13,6 +13,10 @@
         params, sparse = jaxembed.flax.sparse_update(opt, sparse, params, grads)  # the tables
         return params, opt_state, sparse, loss
 
+`params` may as well be what `model.init` returns, the variables (`{"params": ...}`), with
+`loss_fn = lambda variables, batch: ...model.apply(variables, batch)...`: every helper finds
+the tables in either form and returns the form it was given.
+
 The tables' entries of `grads.dense` are zeros (the lookups held them constant); `dense_mask`
 keeps optax off them (a decoupled weight decay would otherwise shrink them). See
 `jaxembed.training.nnx` for how the gradients are taken.
@@ -20,7 +24,7 @@ keeps optax off them (a decoupled weight decay would otherwise shrink them). See
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -31,9 +35,16 @@ from jaxembed import tape as tape_mod
 from jaxembed.collection.checks import check_out_grads, check_states
 from jaxembed.kernels.collection import collection_update
 from jaxembed.kernels.update import after
-from jaxembed.training.common import Grads
+from jaxembed.nn.linen_collection import find_params, replace_params
+from jaxembed.training.common import Grads, argnums_tuple
 
-__all__ = ["Grads", "dense_mask", "init_sparse", "sparse_update", "value_and_grad"]
+__all__ = [
+    "Grads",
+    "dense_mask",
+    "init_sparse",
+    "sparse_update",
+    "value_and_grad",
+]
 
 
 def _discover(fn: Callable[..., Any], params: Any, *args, **kwargs) -> tape_mod.Tape:
@@ -47,54 +58,107 @@ def _discover(fn: Callable[..., Any], params: Any, *args, **kwargs) -> tape_mod.
     return discover
 
 
-def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
-    """`jax.value_and_grad(fn)` for Linen params holding jaxembed tables trained row-sparse.
+def value_and_grad(
+    fn: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    allow_int: bool = False,
+    reduce_axes: Sequence[Any] = (),
+) -> Callable[..., Any]:
+    """`jax.value_and_grad(fn, ...)` for Linen params holding jaxembed tables trained row-sparse.
+
+    Takes `jax.value_and_grad`'s arguments (but `holomorphic`), which mean what they mean
+    there; the lookups' output gradients are taken beside, whatever `argnums` selects.
 
     Args:
-      fn: `fn(params, *args, **kwargs) -> loss` (or `(loss, aux)`), applying the model.
-      has_aux: as in `jax.value_and_grad`.
+      fn: `fn(*args, **kwargs) -> loss` (or `(loss, aux)`), applying the model, e.g.
+        `fn(params, batch)` or `fn(variables, batch)`.
+      argnums: the positional arguments `Grads.dense` is the gradient of: an int (the
+        gradient of that argument) or a sequence of ints (a tuple of gradients).
+      has_aux: `fn` returns `(loss, aux)`.
+      allow_int: integer arguments selected by `argnums` get `float0` gradients (as jax's).
+      reduce_axes: as jax's (only `()`: jax has retired it).
 
     Returns:
-      `(params, *args, **kwargs) -> (value, Grads)`: `Grads.dense` has the params' structure
-      (zeros at the tables), the rest is for `sparse_update`.
+      `(*args, **kwargs) -> (value, Grads)`: `value` the loss (or `(loss, aux)`);
+      `Grads.dense` has the selected arguments' structure (zeros at the tables), the rest is
+      for `sparse_update`.
+
+    Raises:
+      TypeError: `argnums` not ints or beyond the call's positional arguments, or an integer
+        argument without `allow_int` (jax's error).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jaxembed, jaxembed.flax
+      >>> model = jaxembed.flax.Embed(10, 4)
+      >>> ids = jnp.array([1, 2, 2])
+      >>> variables = model.init(jax.random.key(0), ids)
+      >>> def loss(scale, variables, ids):
+      ...     return scale * model.apply(variables, ids).sum()
+      >>> value, grads = jaxembed.flax.value_and_grad(loss, argnums=0)(2.0, variables, ids)
+      >>> bool(jnp.allclose(grads.dense, value / 2.0)), grads.out_grads[0].shape
+      (True, (3, 4))
     """
 
-    def wrapped(params, *args, **kwargs):
-        discover = _discover(fn, params, *args, **kwargs)
+    def wrapped(*args, **kwargs):
+        nums = argnums_tuple(argnums, len(args), what="jaxembed.flax.value_and_grad")
+        discover = tape_mod.Tape("discover")
+
+        def traced(*selected):
+            full = list(args)
+            for n, a in zip(nums, selected, strict=True):
+                full[n] = a
+            with tape_mod.recording(discover):
+                return fn(*full, **kwargs)
+
+        jax.eval_shape(traced, *(args[n] for n in nums))
         taps = [jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), s) for s in discover.shapes]
         tape = tape_mod.Tape("tap")
 
-        def loss_with_taps(p, taps):
+        def loss_with_taps(taps, *args):
             tape.taps, tape.records, tape.operands = taps, [], []
             with tape_mod.recording(tape):
-                out = fn(p, *args, **kwargs)
+                out = fn(*args, **kwargs)
             loss, aux = out if has_aux else (out, None)
             return loss, (aux, tape.operands)
 
-        (loss, (aux, operands)), (dense, out_grads) = jax.value_and_grad(
-            loss_with_taps, argnums=(0, 1), has_aux=True
-        )(params, taps)
+        (loss, (aux, operands)), (out_grads, *dense) = jax.value_and_grad(
+            loss_with_taps, argnums=(0, *(n + 1 for n in nums)), has_aux=True,
+            allow_int=allow_int, reduce_axes=reduce_axes,
+        )(taps, *args)  # fmt: skip
         out_grads = after(out_grads, loss)  # the tables' update waits for the loss (see nnx)
+        dense = dense[0] if isinstance(argnums, int) else tuple(dense)
         grads = Grads(dense, list(operands), list(out_grads), tuple(tape.records))
         return ((loss, aux) if has_aux else loss), grads
 
     return wrapped
 
 
-def _node(params: Any, key: str) -> Any:
-    node = params
-    for part in key.split("/") if key else ():
-        node = node[part]
-    return node
+_MODULES = {"embed": "jaxembed.flax.Embed", "collection": "jaxembed.flax.EmbeddingBagCollection"}
+
+
+def _names(record: tape_mod.Record) -> list[str]:
+    """The parameters of a lookup's module that are its tables."""
+    if record.kind == "embed":
+        return ["embedding"]
+    return [s.name for s in record.static["layout"].stacks]
+
+
+def _keys(record: tape_mod.Record, params: Any, what: str) -> tuple[str, ...]:
+    """The keys of a lookup's module in `params` (the variables or the params tree)."""
+    return find_params(params, record.key, _names(record), what=what, module=_MODULES[record.kind])
 
 
 def _unbox(x: Any) -> Any:
     return x.value if isinstance(x, nn.Partitioned) else x
 
 
-def _tables(record: tape_mod.Record, params: Any) -> dict[Any, jax.Array]:
+def _tables(record: tape_mod.Record, params: Any, what: str) -> dict[Any, jax.Array]:
     """The table arrays a lookup reads, by their name in its module's params."""
-    node = _node(params, record.key)
+    node = params
+    for key in _keys(record, params, what):
+        node = node[key]
     if record.kind == "embed":
         return {"embedding": _unbox(node["embedding"])}
     layout = record.static["layout"]
@@ -106,21 +170,40 @@ def init_sparse(optimizer: Any, fn: Callable[..., Any], params: Any, *args, **kw
 
     Args:
       optimizer: a `jaxembed.optim.RowSparseOptimizer`.
-      fn, params, args, kwargs: the loss and a sample of its arguments (it is traced, not run).
+      fn: the loss, `fn(params, *args, **kwargs)`; it is traced, not run.
+      params: the model's variables (`{"params": ...}`, what `model.init` returns) or its
+        params tree: whichever `fn` takes.
+      args, kwargs: a sample of `fn`'s other arguments.
 
     Returns:
       `{module path: state}` (for a collection: `{stack index: state}`).
+
+    Raises:
+      ValueError: a lookup's module has no parameters in `params` (the error names the path
+        looked for, in both forms, and what is there).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import jaxembed, jaxembed.flax
+      >>> model = jaxembed.flax.Embed(10, 4)
+      >>> ids = jnp.array([1, 2])
+      >>> variables = model.init(jax.random.key(0), ids)
+      >>> loss = lambda v, ids: model.apply(v, ids).sum()
+      >>> opt = jaxembed.optim.rowwise_adagrad(0.1)
+      >>> list(jaxembed.flax.init_sparse(opt, loss, variables, ids))  # the top module: ''
+      ['']
     """
+    what = "init_sparse"
     states = {}
     for record in _discover(fn, params, *args, **kwargs).records:
+        tables = _tables(record, params, what)
         if record.kind == "embed":
             states[record.key] = optimizer.init(
-                _tables(record, params)["embedding"], mesh=record.static["mesh"],
+                tables["embedding"], mesh=record.static["mesh"],
                 weight_spec=record.static["weight_spec"],
             )  # fmt: skip
         else:
             layout = record.static["layout"]
-            tables = _tables(record, params)
             states[record.key] = {
                 s.index: optimizer.init(
                     tables[s.index], mesh=record.static["mesh"], weight_spec=s.spec
@@ -132,36 +215,41 @@ def init_sparse(optimizer: Any, fn: Callable[..., Any], params: Any, *args, **kw
 
 def dense_mask(fn: Callable[..., Any], params: Any, *args, **kwargs) -> Any:
     """A pytree like `params`: False at the jaxembed tables `fn` looks up, True elsewhere
-    (for `optax.masked`)."""
-    keys = {}
+    (for `optax.masked`).
+
+    Args:
+      fn, params, args, kwargs: as `init_sparse`'s (`params` the variables or the params).
+
+    Returns:
+      The mask, of `params`' form (under `"params"` for the variables).
+
+    Raises:
+      ValueError: as `init_sparse`.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import flax.linen as nn
+      >>> import jaxembed, jaxembed.flax
+      >>> class Model(nn.Module):
+      ...     @nn.compact
+      ...     def __call__(self, ids):
+      ...         return nn.Dense(1)(jaxembed.flax.Embed(10, 4)(ids)).sum()
+      >>> model, ids = Model(), jnp.array([1, 2])
+      >>> variables = model.init(jax.random.key(0), ids)
+      >>> jaxembed.flax.dense_mask(model.apply, variables, ids)
+      {'params': {'Dense_0': {'bias': True, 'kernel': True}, 'Embed_0': {'embedding': False}}}
+    """
+    tables = set()
     for record in _discover(fn, params, *args, **kwargs).records:
-        layout = record.static.get("layout")
-        names = ["embedding"] if record.kind == "embed" else [s.name for s in layout.stacks]
-        for name in names:
-            keys[f"{record.key}/{name}" if record.key else name] = True
+        keys = _keys(record, params, "dense_mask")
+        tables.update((*keys, name) for name in _names(record))
 
     def mark(path, _):
-        key = "/".join(getattr(p, "key", str(p)) for p in path)
-        return not any(key == k or key.startswith(k + "/") for k in keys)
+        return tuple(str(getattr(p, "key", p)) for p in path) not in tables
 
     return jax.tree_util.tree_map_with_path(
         mark, params, is_leaf=lambda x: isinstance(x, nn.Partitioned)
     )
-
-
-def _set(params: Any, key: str, name: Any, value: jax.Array) -> Any:
-    parts = key.split("/") if key else []
-
-    def replace(node, rest):
-        node = dict(node)
-        if not rest:
-            old = node[name]
-            node[name] = old.replace_boxed(value) if isinstance(old, nn.Partitioned) else value
-            return node
-        node[rest[0]] = replace(node[rest[0]], rest[1:])
-        return node
-
-    return replace(params, parts)
 
 
 def sparse_update(optimizer: Any, states: dict, params: Any, grads: Grads) -> tuple[Any, dict]:
@@ -170,17 +258,33 @@ def sparse_update(optimizer: Any, states: dict, params: Any, grads: Grads) -> tu
     Args:
       optimizer: the `jaxembed.optim.RowSparseOptimizer` of `init_sparse`.
       states: from `init_sparse` (or the last step).
-      params: the params (boxed or not).
+      params: the variables or the params (boxed or not) the loss was applied with.
       grads: what `value_and_grad` returned.
 
     Returns:
-      `(params, states)`, updated.
+      `(params, states)`, updated; `params` of the form given (variables or params).
 
     Raises:
       ValueError: `states` has no state for a lookup's module (states of another loss or
-        model), or a collection's states or gradients do not fit it
+        model); a lookup's module has no parameters in `params` (the path looked for and
+        what is there are named); a collection's states or gradients do not fit it
         (`jaxembed.collection.checks`).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jaxembed, jaxembed.flax
+      >>> model, ids = jaxembed.flax.Embed(10, 4), jnp.array([1, 2, 2])
+      >>> variables = model.init(jax.random.key(0), ids)
+      >>> loss = lambda v, ids: model.apply(v, ids).sum()
+      >>> opt = jaxembed.optim.sgd(0.5)
+      >>> states = jaxembed.flax.init_sparse(opt, loss, variables, ids)
+      >>> _, grads = jaxembed.flax.value_and_grad(loss)(variables, ids)
+      >>> new, states = jaxembed.flax.sparse_update(opt, states, variables, grads)
+      >>> old, w = variables["params"]["embedding"], new["params"]["embedding"]
+      >>> np.asarray(old - w)[:3, 0].tolist()  # row 2 was read twice: 2 x 0.5 x 1
+      [0.0, 0.5, 1.0]
     """
+    what = "sparse_update"
     states = dict(states)
     for record, operands, out_grad in zip(
         grads.records, grads.operands, grads.out_grads, strict=True
@@ -191,12 +295,13 @@ def sparse_update(optimizer: Any, states: dict, params: Any, grads: Grads) -> tu
                 f"{record.key or '(the top module)'!r} (the states are of {sorted(states)}): "
                 "pass init_sparse(optimizer, loss_fn, params, batch)'s states for this loss"
             )
-        tables = _tables(record, params)
+        keys = _keys(record, params, what)
+        tables = _tables(record, params, what)
         if record.kind == "embed":
             table, states[record.key] = optimizer.update(
                 tables["embedding"], states[record.key], *operands, out_grad, **record.static
             )
-            params = _set(params, record.key, "embedding", table)
+            params = replace_params(params, keys, {"embedding": table})
             continue
         static = record.static
         layout = static["layout"]
@@ -206,6 +311,5 @@ def sparse_update(optimizer: Any, states: dict, params: Any, grads: Grads) -> tu
             layout, optimizer, tables, states[record.key], operands, out_grad,
             mesh=static["mesh"], x_spec=static["x_spec"], exchange=static["exchange"],
         )  # fmt: skip
-        for s in layout.stacks:
-            params = _set(params, record.key, s.name, new[s.index])
+        params = replace_params(params, keys, {s.name: new[s.index] for s in layout.stacks})
     return params, states

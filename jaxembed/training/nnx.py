@@ -20,18 +20,19 @@ head's `attend` or `cross_entropy`) cannot be trained this way: that is an error
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.graph import is_graph_node
 
 from jaxembed import tape as tape_mod
 from jaxembed.kernels.update import after
 from jaxembed.nn.nnx_collection import EmbeddingBagCollection
 from jaxembed.nn.nnx_embed import Embed, Table
-from jaxembed.training.common import Grads
+from jaxembed.training.common import Grads, argnums_tuple
 
 __all__ = ["DENSE", "Grads", "SparseOptimizer", "value_and_grad"]
 
@@ -54,49 +55,95 @@ def _module_at(model: Any, key: str) -> Any:
     raise KeyError(f"no module at {key!r} in the model")
 
 
-def value_and_grad(fn: Callable[..., Any], *, has_aux: bool = False) -> Callable[..., Any]:
-    """`nnx.value_and_grad(fn)` for models with jaxembed tables trained row-sparse.
+def _paths_of(args: Sequence[Any]) -> dict[int, str]:
+    """The module paths of every model among the positional arguments."""
+    out: dict[int, str] = {}
+    for a in args:
+        if isinstance(a, nnx.Module):
+            out.update(_paths(a))
+    return out
+
+
+def value_and_grad(
+    fn: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    allow_int: bool = False,
+    reduce_axes: Sequence[Any] = (),
+) -> Callable[..., Any]:
+    """`nnx.value_and_grad(fn, ...)` for models with jaxembed tables trained row-sparse.
+
+    Takes `jax.value_and_grad`'s arguments (but `holomorphic`), which mean what they mean
+    there; a model selected by `argnums` is differentiated over `DENSE` (its parameters but
+    the tables), and the lookups' output gradients are taken beside.
 
     Args:
-      fn: `fn(model, *args, **kwargs) -> loss` (or `(loss, aux)` with `has_aux`).
-      has_aux: as in `nnx.value_and_grad`.
+      fn: `fn(*args, **kwargs) -> loss` (or `(loss, aux)` with `has_aux`), e.g.
+        `fn(model, batch)`; the model is any positional argument.
+      argnums: the positional arguments `Grads.dense` is the gradient of: an int (that
+        argument's: an `nnx.State` over `DENSE` for a model) or a sequence of ints (a tuple).
+      has_aux: `fn` returns `(loss, aux)`.
+      allow_int: integer arguments selected by `argnums` get `float0` gradients (as jax's).
+      reduce_axes: as jax's (only `()`: jax has retired it).
 
     Returns:
-      A function `(model, *args, **kwargs) -> (value, Grads)`, with `value` the loss (or
-      `(loss, aux)`); `Grads.dense` for optax over `DENSE`, the rest for `SparseOptimizer`.
+      A function `(*args, **kwargs) -> (value, Grads)`, with `value` the loss (or
+      `(loss, aux)`); `Grads.dense` for optax, the rest for `SparseOptimizer`.
 
     Raises:
       ValueError: a table read densely (a tied head), or a module that looks up twice.
+      TypeError: `argnums` not ints or beyond the call's positional arguments, or an integer
+        argument without `allow_int` (jax's error).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import jaxembed, jaxembed.nnx
+      >>> model = jaxembed.nnx.Embed(10, 4, rngs=nnx.Rngs(0))
+      >>> ids = jnp.array([1, 2, 2])
+      >>> def loss(scale, model, ids):
+      ...     return scale * model(ids).sum()
+      >>> value, grads = jaxembed.nnx.value_and_grad(loss, argnums=0)(2.0, model, ids)
+      >>> bool(jnp.allclose(grads.dense, value / 2.0)), grads.out_grads[0].shape
+      (True, (3, 4))
     """
 
-    def wrapped(model, *args, **kwargs):
+    def wrapped(*args, **kwargs):
+        nums = argnums_tuple(argnums, len(args), what="jaxembed.nnx.value_and_grad")
         # Pass 1: the lookups' output shapes, for the taps.
         discover = tape_mod.Tape("discover")
+        graph = [i for i, a in enumerate(args) if is_graph_node(a)]
 
-        def shapes_of(m):
-            discover.paths = _paths(m)
+        def shapes_of(*nodes):
+            full = list(args)
+            for i, node in zip(graph, nodes, strict=True):
+                full[i] = node
+            discover.paths = _paths_of(full)
             with tape_mod.recording(discover):
-                return fn(m, *args, **kwargs)
+                return fn(*full, **kwargs)
 
-        nnx.eval_shape(shapes_of, model)
+        nnx.eval_shape(shapes_of, *(args[i] for i in graph))
         taps = [jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), s) for s in discover.shapes]
         tape = tape_mod.Tape("tap", taps=taps)
 
-        def loss_with_taps(m, taps):
-            tape.taps, tape.paths = taps, _paths(m)
+        def loss_with_taps(taps, *args):
+            tape.taps, tape.paths = taps, _paths_of(args)
             tape.records, tape.operands = [], []
             with tape_mod.recording(tape):
-                out = fn(m, *args, **kwargs)
+                out = fn(*args, **kwargs)
             loss, aux = out if has_aux else (out, None)
             return loss, (aux, tape.operands)
 
+        wrt = [nnx.DiffState(n + 1, DENSE) if is_graph_node(args[n]) else n + 1 for n in nums]
         grad_fn = nnx.value_and_grad(
-            loss_with_taps, argnums=(nnx.DiffState(0, DENSE), 1), has_aux=True
-        )
-        (loss, (aux, operands)), (dense, out_grads) = grad_fn(model, taps)
+            loss_with_taps, argnums=(0, *wrt), has_aux=True, allow_int=allow_int,
+            reduce_axes=reduce_axes,
+        )  # fmt: skip
+        (loss, (aux, operands)), (out_grads, *dense) = grad_fn(taps, *args)
         # The tables' in-place update waits for the loss (so for every lookup): else, with
         # out_grads independent of the forward (a linear loss), XLA copies each table.
         out_grads = after(out_grads, loss)
+        dense = dense[0] if isinstance(argnums, int) else tuple(dense)
         grads = Grads(dense, list(operands), list(out_grads), tuple(tape.records))
         return ((loss, aux) if has_aux else loss), grads
 
