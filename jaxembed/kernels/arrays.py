@@ -37,6 +37,7 @@ __all__ = [
     "resolve_mesh",
     "spec_of",
     "stated_spec",
+    "typed_like",
     "warn_if_layout_unknown",
     "warn_once",
     "whole_on_one_device",
@@ -331,9 +332,9 @@ def zeros_like_output(
 def whole_on_one_device(a: Any) -> Any:
     """`a` with its type's mesh axes dropped when its mesh has one device (free there).
 
-    Under `jit` in a one-device Explicit mesh, a table typed `f32[V@model, H]` cannot feed
-    a plain gather (JAX asks for an `out_sharding`); on one device the split is only a
-    name, so the one-device paths drop it.
+    Under `jit` in a one-device Explicit mesh, a table typed `f32[V@model, H]`, or ids typed
+    `i32[B@data]`, cannot feed a plain gather (JAX asks for an `out_sharding`); on one device
+    the split is only a name, so the one-device paths drop it.
     """
     if not isinstance(a, jax.core.Tracer):
         return a
@@ -347,6 +348,14 @@ def whole_on_one_device(a: Any) -> Any:
     if all(p is None for p in sharding.spec):
         return a
     return jax.sharding.reshard(a, NamedSharding(mesh, P()))
+
+
+def typed_like(a: Any, ref: Any) -> Any:
+    """`a` retyped as `ref` where `whole_on_one_device(ref)` dropped `ref`'s mesh axes (free on
+    one device): a one-device update gives the table and its state back in their own types."""
+    if whole_on_one_device(ref) is ref:
+        return a
+    return jax.sharding.reshard(a, jax.typeof(ref).sharding)
 
 
 def eager(*arrays: Any) -> bool:

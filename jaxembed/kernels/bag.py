@@ -572,6 +572,7 @@ def run_embedding_bag(bags: Bags, weight: jax.Array, options: LookupOptions) -> 
     plan_vocab = options.vocab_of(weight.shape[0])
     if runs_on_one_device(mesh, options.x_spec, options.weight_spec, options.out_spec):
         validate_scalars(plan_vocab, options.padding_idx, weight.shape[0])
+        bags = Bags(*(None if a is None else whole_on_one_device(a) for a in bags))
         batch = bags.batch()
         if options.check_ids:
             _check_bag_ids(bags, plan_vocab, batch)

@@ -41,7 +41,15 @@ from jaxembed.kernels.arrays import place_table
 from jaxembed.kernels.collection import collection_lookup, collection_update
 from jaxembed.nn.common import current_mesh
 from jaxembed.nn.nnx_embed import Table
-from jaxembed.nn.stacks import auto_plan, build_stack, concat_features, planned, unstack
+from jaxembed.nn.stacks import (
+    auto_plan,
+    build_stack,
+    concat_features,
+    export_states,
+    import_states,
+    planned,
+    unstack,
+)
 
 __all__ = ["EmbeddingBagCollection"]
 
@@ -223,14 +231,7 @@ class EmbeddingBagCollection(nnx.Module):
     def export_optimizer(self, states: Mapping[int, Any]) -> dict[str, Any]:
         """The optimizer states per table in id order, `{table: {"count", "slots": {...}}}`,
         to checkpoint and `import_optimizer` onto any mesh or placement."""
-        out: dict[str, Any] = {}
-        for s in self.layout.stacks:
-            state = states[s.index]
-            for name, slot in state.slots.items():
-                for table, value in unstack(self.layout, {s.index: slot}).items():
-                    entry = out.setdefault(table, {"count": state.count, "slots": {}})
-                    entry["slots"][name] = value
-        return out
+        return export_states(self.layout, states)
 
     def import_optimizer(self, optimizer: Any, exported: Mapping[str, Any]) -> dict[int, Any]:
         """States for this collection's layout from `export_optimizer`'s per-table form.
@@ -254,23 +255,7 @@ class EmbeddingBagCollection(nnx.Module):
             share a stack here but were exported with different update counts.
         """
         check_exported_optimizer(self.layout, optimizer, exported)
-        states = self.init_optimizer(optimizer)
-        out = {}
-        for s in self.layout.stacks:
-            state = states[s.index]
-            slots = {}
-            for slot in optimizer.formula.slots:
-                values = {t: np.asarray(exported[t]["slots"][slot.name]) for t in s.tables}
-                old = state.slots[slot.name]
-                array = build_stack(self.layout, s, values, per_row=slot.per_row, dtype=old.dtype)
-                if isinstance(getattr(old, "sharding", None), NamedSharding):
-                    array = jax.device_put(array, old.sharding)
-                slots[slot.name] = jnp.asarray(array)
-            count = np.asarray(exported[s.tables[0]]["count"], np.int32)
-            if isinstance(getattr(state.count, "sharding", None), NamedSharding):
-                count = jax.device_put(count, state.count.sharding)
-            out[s.index] = state._replace(slots=slots, count=jnp.asarray(count))
-        return out
+        return import_states(self.layout, optimizer, exported, self.init_optimizer(optimizer))
 
     def apply_gradients(
         self,

@@ -25,7 +25,15 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxembed.ids import as_ids
-from jaxembed.kernels.arrays import eager, is_explicit, move, resolve_mesh, stated_spec
+from jaxembed.kernels.arrays import (
+    eager,
+    is_explicit,
+    move,
+    resolve_mesh,
+    stated_spec,
+    typed_like,
+    whole_on_one_device,
+)
 from jaxembed.kernels.bag import Bags, prepare_bags
 from jaxembed.kernels.common import check_table, companion_spec, cotangent_spec, resolve_layouts
 from jaxembed.kernels.options import LookupOptions
@@ -217,9 +225,13 @@ class RowSparseOptimizer:
             slots = tuple(state.slots[s.name] for s in self.formula.slots)
             if ids.size == 0:
                 return table, self._state(state, slots, jnp.zeros((), jnp.int32))
+            whole = [whole_on_one_device(a) for a in (table, *slots, *operands, out_grad)]
             (new_table, new_slots), overflow = update_body(
-                plan, self.formula, len(slots), table, *slots, state.count, *operands, out_grad
-            )
+                plan, self.formula, len(slots), whole[0], *whole[1 : 1 + len(slots)],
+                state.count, *whole[1 + len(slots) :],
+            )  # fmt: skip
+            new_table = typed_like(new_table, table)
+            new_slots = tuple(typed_like(n, o) for n, o in zip(new_slots, slots, strict=True))
             return new_table, self._state(state, new_slots, overflow)
         weight_spec, x_spec = resolve_layouts(ids, table, mesh, **options.layout_kwargs())
         if weight_spec is None:
