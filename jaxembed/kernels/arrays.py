@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 __all__ = [
     "assumed_ids_spec",
+    "batch_typed_like",
     "is_explicit",
     "layout_known",
     "move",
@@ -356,6 +357,18 @@ def typed_like(a: Any, ref: Any) -> Any:
     if whole_on_one_device(ref) is ref:
         return a
     return jax.sharding.reshard(a, jax.typeof(ref).sharding)
+
+
+def batch_typed_like(out: Any, ids: Any, lead: int) -> Any:
+    """`out` typed with the first `lead` entries of `ids`' type, where `whole_on_one_device(ids)`
+    dropped them (free on one device): a one-device lookup's output keeps the batch's layout
+    type, as the sharded paths' outputs do, so outputs of different calls concatenate."""
+    if whole_on_one_device(ids) is ids:
+        return out
+    sharding = jax.typeof(ids).sharding
+    parts = tuple(sharding.spec) + (None,) * (ids.ndim - len(tuple(sharding.spec)))
+    spec = P(*parts[:lead], *(None,) * (out.ndim - lead))
+    return jax.sharding.reshard(out, NamedSharding(sharding.mesh, spec))
 
 
 def eager(*arrays: Any) -> bool:

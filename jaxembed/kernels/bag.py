@@ -31,6 +31,7 @@ from jaxembed.ids import as_ids
 from jaxembed.kernels import local as local_ops
 from jaxembed.kernels import routed as routed_ops
 from jaxembed.kernels.arrays import (
+    batch_typed_like,
     eager,
     move,
     resolve_mesh,
@@ -572,12 +573,14 @@ def run_embedding_bag(bags: Bags, weight: jax.Array, options: LookupOptions) -> 
     plan_vocab = options.vocab_of(weight.shape[0])
     if runs_on_one_device(mesh, options.x_spec, options.weight_spec, options.out_spec):
         validate_scalars(plan_vocab, options.padding_idx, weight.shape[0])
+        given_ids = bags.ids
         bags = Bags(*(None if a is None else whole_on_one_device(a) for a in bags))
         batch = bags.batch()
         if options.check_ids:
             _check_bag_ids(bags, plan_vocab, batch)
         weight = whole_on_one_device(weight)
         out = _one_device_bag(bags, batch, weight, options)
+        out = batch_typed_like(out, given_ids, given_ids.ndim - 1)
         return with_stats(out, options.return_stats)
     weight_spec, x_spec = resolve_layouts(bags.ids, weight, mesh, **options.layout_kwargs())
     if weight_spec is None:

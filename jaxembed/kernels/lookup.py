@@ -26,6 +26,7 @@ from jaxembed.ids import as_ids
 from jaxembed.kernels import local as local_ops
 from jaxembed.kernels import routed as routed_ops
 from jaxembed.kernels.arrays import (
+    batch_typed_like,
     eager,
     move,
     resolve_mesh,
@@ -344,8 +345,10 @@ def run_lookup(x: jax.Array, weight: jax.Array, options: LookupOptions) -> Any:
     if runs_on_one_device(mesh, options.x_spec, options.weight_spec, options.out_spec):
         validate_scalars(plan_vocab, options.padding_idx, weight.shape[0])
         check_ids_eagerly(x, plan_vocab)
+        given = x
         x, weight = whole_on_one_device(x), whole_on_one_device(weight)
         out = dense_lookup(x, weight, plan_vocab, options.padding_idx)
+        out = batch_typed_like(out, given, given.ndim)
         return with_stats(out, options.return_stats)
     weight_spec, x_spec = resolve_layouts(x, weight, mesh, **options.layout_kwargs())
     if weight_spec is None:  # the table's layout is unknown: XLA's lookup, never a gather
