@@ -83,13 +83,9 @@ def _at(name: str, index: tuple[int, ...]) -> str:
     return f"{name}[{', '.join(str(int(i)) for i in index)}]"
 
 
-def _check_dtypes(x: Any, what: str, kind: str) -> None:
-    if kind == "int" and not jnp.issubdtype(x.dtype, jnp.integer):
-        raise TypeError(
-            f"{what} must be integers, got {x.dtype} of shape {x.shape}: cast them with "
-            f"{what}.astype(jnp.int32) if they hold whole numbers"
-        )
-    if kind == "float" and not jnp.issubdtype(x.dtype, jnp.floating):
+def _check_floats(x: Any, what: str) -> None:
+    """Raises for weights that are not floats (ids, lengths and offsets: `jaxembed.ids`)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(
             f"{what} must be floats, got {x.dtype} of shape {x.shape}: cast them with "
             f"{what}.astype(jnp.float32)"
@@ -194,7 +190,7 @@ class Ragged:
             weights = jnp.asarray(weights)
         _check_flat(values, lengths, "lengths")
         if weights is not None:
-            _check_dtypes(weights, "weights", "float")
+            _check_floats(weights, "weights")
             if weights.shape != values.shape:
                 raise ValueError(
                     f"weights {weights.shape} must have the shape of values {values.shape}: "
@@ -472,7 +468,7 @@ def lengths_from_offsets(
       >>> lengths_from_offsets(jnp.array([0, 2, 2, 4]), 5, include_last_offset=True).tolist()
       [2, 0, 2]
     """
-    offsets = jnp.clip(jnp.asarray(offsets), 0, capacity).astype(jnp.int32)
+    offsets = jnp.clip(as_ids(offsets, "offsets"), 0, capacity).astype(jnp.int32)
     offsets = offsets.at[..., :1].set(0)
     if offsets.shape[-1]:
         offsets = jax.lax.cummax(offsets, axis=offsets.ndim - 1)
@@ -483,7 +479,6 @@ def lengths_from_offsets(
 
 
 def _lengths_of_offsets(x: jax.Array, offsets: jax.Array, include_last: bool) -> jax.Array:
-    _check_dtypes(offsets, "offsets", "int")
     _check_flat(x, offsets, "offsets")
     if include_last and offsets.shape[-1] < 1:
         raise ValueError(
@@ -554,7 +549,7 @@ def to_bag_batch(
     weights = None
     if per_id_weights is not None:
         weights = jnp.asarray(per_id_weights)
-        _check_dtypes(weights, "per_id_weights", "float")
+        _check_floats(weights, "per_id_weights")
         if weights.shape != x.shape:
             raise ValueError(
                 f"per_id_weights {weights.shape} must have the shape of x {x.shape}: one "

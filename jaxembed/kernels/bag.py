@@ -459,7 +459,7 @@ def prepare_bags(
         return Bags(as_ids(x.values, check=check), x.lengths, x.weights)
     if offsets is not None:
         lengths = ragged.lengths_from_offsets(
-            jnp.asarray(offsets), x.shape[-1], include_last_offset=include_last_offset
+            offsets, x.shape[-1], include_last_offset=include_last_offset
         )
     weights = None if per_id_weights is None else jnp.asarray(per_id_weights, jnp.float32)
     return Bags(x, None if lengths is None else as_ids(lengths, "lengths"), weights)
