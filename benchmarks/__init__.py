@@ -2,6 +2,7 @@
 
     python -m benchmarks --quick                 # the layouts benchmark (= `layouts --quick`)
     python -m benchmarks sparse --quick          # or bags, routed, recsys, planner
+    python -m benchmarks planner-scaling         # the plans' strong scaling, no devices
     python -m benchmarks --calibrate             # the cost model's CPU constants
     jaxembed bench ...                           # the same, from a checkout
 
@@ -10,7 +11,9 @@ One sub-package per capability, each with its own `bench.py` (`main` and a libra
 with vocabulary, device and batch sweeps), `rowsparse` (row-sparse optimizer steps against
 dense ones), `bags` (pooled lookups against XLA's take + sum), `routed` (the routed exchange
 against the gather path), `recsys` (the recommender step against XLA, Flax, keras-rs and
-TorchRec) and `planner` (the collection planner's layout against uniform placements).
+TorchRec) and `planner` (the collection planner's layout against uniform placements;
+`planner-scaling`, its `scaling` module: bytes and slots per device at 8 to 512 devices, from
+the plans alone).
 `benchmarks.common` holds what they share: one timing loop (`timing`), one float64 check
 (`reference`), one report writer (`report`). Results live in `benchmarks/results/<capability>/`
 and `benchmarks/RESULTS.md` prints, beside each, the command that reproduces it.
@@ -32,6 +35,7 @@ SUBCOMMANDS = {
     "routed": "benchmarks.routed.bench",
     "recsys": "benchmarks.recsys.bench",
     "planner": "benchmarks.planner.bench",
+    "planner-scaling": "benchmarks.planner.scaling",
 }
 """`python -m benchmarks NAME ...` runs `main` of this module; no NAME runs `layouts`."""
 

@@ -160,7 +160,10 @@ def test_targets_are_ratios_of_medians_and_say_what_was_not_measured():
         "(a) jaxembed step <= 1.0x TorchRec+FBGEMM (ambitious), 1 device": ("missed", 1.2),
         "(a) jaxembed step <= 1.5x TorchRec+FBGEMM, 1 device": ("met", 1.2),
         "(a) jaxembed forward <= 1.5x FBGEMM forward, 1 device": ("met", 1.2),
-        "(a) jaxembed step on 8 devices <= 2x the 1-device step": ("met", 1.333),
+        "(a) jaxembed step on 8 devices <= 1.5x the 1-device step (every table by rows)": (
+            "met",
+            1.333,
+        ),
         "(a) jaxembed step within 1.3x as the largest table grows": ("missed", 1.5),
     }
 

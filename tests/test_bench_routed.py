@@ -76,3 +76,18 @@ def test_routed_targets_are_reported(routed_run):
                      "uniform ids, auto / gather path time"):  # fmt: skip
             assert isinstance(targets[f"{layout}: {what}"]["met"], bool)
     assert set(targets["batch sweep: auto / fastest forced"]["per_case"]) == {"B=2", "B=512"}
+
+
+def test_routed_bucketing_native_vs_xla(routed_run):
+    """The bucketing sweep: both implementations timed on the same slots, bitwise equal."""
+    from jaxembed.kernels import native
+
+    points = routed_run[0]["bucketing"]
+    if not native.available():
+        assert points == []
+        return
+    assert {(p["slots"], p["devices"]) for p in points} == {(1024, 1), (1024, 8)}
+    for p in points:
+        assert p["bitwise_equal"] is True, p["name"]
+        assert list(p["implementations"]) == ["xla", "native"]
+        assert p["summary"]["xla_time_over_native"] > 0

@@ -113,7 +113,9 @@ def put_batch(batch, mesh, spec):
         return jax.device_put(a, NamedSharding(mesh, P(*spec, *(None,) * (a.ndim - len(spec)))))
 
     return {
-        k: jaxembed.Ragged(put(v.values), put(v.lengths)) if isinstance(v, jaxembed.Ragged)
+        k: jaxembed.Ragged(put(v.values), put(v.lengths),
+                           None if v.weights is None else put(v.weights))
+        if isinstance(v, jaxembed.Ragged)
         else tuple(put(a) for a in v) if isinstance(v, tuple) else put(v)
         for k, v in batch.items()
     }  # fmt: skip
@@ -265,3 +267,139 @@ def test_tables_round_trip_and_bad_configs():
     with pytest.raises(ValueError, match=r"feature 'target': id 999 .* out of range for table"):
         with jax.set_mesh(mesh):
             coll(batch)
+
+
+# Unweighted sums (and unpooled features) pass no per-slot factors: their empty slots (id -1,
+# out-of-range ids, a Ragged's unused slots and gap bags) must read nothing and get no
+# gradient by the ids alone. Beside them, calls with a weighted sum or a mean still scale.
+MIXED_TABLES = [
+    TableConfig("item", 61, 8, placement="rows"),
+    TableConfig("user", 40, 8, placement="table"),  # the same stack as item: rows of it
+    TableConfig("cat", 23, 4, placement="rows", row_sharding="mod"),
+    TableConfig("hist", 30, 16, placement="columns"),
+]
+MIXED_FEATURES = [
+    FeatureConfig("plain", "item", "sum", 3),  # unweighted sum ...
+    FeatureConfig("scaled", "user", "sum", 4, weighted=True),  # ... weighted sum, (ids, w)
+    FeatureConfig("avg", "item", "mean", 5),
+    FeatureConfig("seq", "user", None, 2),  # ... unpooled: one flat call, with factors
+    FeatureConfig("words", "item", "sum", 6),  # a Ragged: its own call, no factors
+    FeatureConfig("c1", "cat", "sum", 4),
+    FeatureConfig("c2", "cat", "sum", 3),  # stacked [B, 2, 4], no factors
+    FeatureConfig("h_seq", "hist", None, 3),
+    FeatureConfig("h_sum", "hist", "sum", 2),  # a flat call of the columns stack, no factors
+    FeatureConfig("terms", "hist", "sum", 5, weighted=True),  # a weighted Ragged: factors
+]
+# Per call, whether it passes factors (`needs_factors`).
+MIXED_CALLS = {
+    ("plain", "scaled", "avg", "seq"): True, ("words",): False, ("c1", "c2"): False,
+    ("h_seq", "h_sum"): False, ("terms",): True,
+}  # fmt: skip
+
+
+def mixed_batch(rng, vocab):
+    def ids(table, shape, empty=0.3):
+        x = rng.integers(0, vocab[table], size=shape).astype(np.int32)
+        x[rng.random(shape) < empty] = -1
+        return x
+
+    def weights(shape):
+        return rng.uniform(0.5, 2, size=shape).astype(np.float32)
+
+    batch = {
+        "plain": ids("item", (B, 3)), "scaled": (ids("user", (B, 4)), weights((B, 4))),
+        "avg": ids("item", (B, 5)), "seq": ids("user", (B, 2)), "c1": ids("cat", (B, 4)),
+        "c2": ids("cat", (B, 3)), "h_seq": ids("hist", (B, 3)), "h_sum": ids("hist", (B, 2)),
+    }  # fmt: skip
+    batch["plain"][0] = -1  # an empty bag
+    batch["plain"][1] = [7, 7, -1]  # a duplicate
+    batch["c1"][2, 0] = vocab["cat"] + 5  # out of range: reads nothing under jit
+    batch["h_seq"][3, 1] = -1
+    for name, table, lead in (("words", "item", 8), ("terms", "hist", 8)):
+        lengths = rng.integers(0, 4, size=(lead, 2)).astype(np.int32)  # B/8 = 2 bags a block
+        values = rng.integers(0, vocab[table], size=(lead, 8)).astype(np.int32)
+        w = weights((lead, 8)) if name == "terms" else None
+        batch[name] = jaxembed.Ragged(values, lengths, w)
+    return batch
+
+
+def mixed_reference(tables, batch, cts):
+    """Every output and each table's gradient (in id order), float64."""
+    out, grads = {}, {name: np.zeros_like(t, np.float64) for name, t in tables.items()}
+    for f in MIXED_FEATURES:
+        t = np.asarray(tables[f.table], np.float64)
+        value, kw = batch[f.name], dict(vocab_size=t.shape[0])
+        if isinstance(value, jaxembed.Ragged):
+            x, kw["lengths"] = np.asarray(value.values), np.asarray(value.lengths)
+            if value.weights is not None:
+                kw["per_id_weights"] = np.asarray(value.weights)
+        elif isinstance(value, tuple):
+            x, kw["per_id_weights"] = value
+        else:
+            x = value
+        combiner = f.combiner or "sum"
+        if f.combiner is None:  # unpooled: each slot its own bag of one
+            x = x[..., None]
+            if "per_id_weights" in kw:
+                kw["per_id_weights"] = kw["per_id_weights"][..., None]
+        o = embedding_bag_reference(t, x, combiner=combiner, **kw)
+        out[f.name] = o.reshape(-1, t.shape[1]) if isinstance(value, jaxembed.Ragged) else o
+        ct = cts[f.name].reshape(o.shape).astype(np.float64)
+        grads[f.table] += embedding_bag_grad_reference(t, x, combiner=combiner, out_grad=ct, **kw)
+    return out, grads
+
+
+@pytest.mark.parametrize("exchange", ["auto", "rows", "routed", "dense"])
+def test_unweighted_weighted_mean_and_unpooled_features_on_one_stack(exchange, fresh_warnings):
+    from jaxembed.kernels.collection import checked_batch, groups_of, needs_factors
+
+    mesh = jax.make_mesh((8,), ("x",))
+    rng = np.random.default_rng(11)
+    layout = layout_collection(MIXED_TABLES, MIXED_FEATURES, mesh)
+    # The row-split stacks run `exchange`; the columns stack its own (auto).
+    exchanges = {s.index: exchange for s in layout.stacks if s.row_axes}
+    with jax.set_mesh(mesh):
+        coll = jaxembed.nnx.EmbeddingBagCollection(
+            MIXED_TABLES, MIXED_FEATURES, exchange=exchanges, rngs=nnx.Rngs(0)
+        )
+        batch = mixed_batch(rng, {t.name: t.vocab_size for t in MIXED_TABLES})
+        groups = groups_of(coll.layout, checked_batch(coll.layout, batch))
+        assert {g.features: needs_factors(coll.layout, g, batch) for g in groups} == MIXED_CALLS
+        assert {g.kind for g in groups} == {"dense", "stacked", "ragged"}
+        device_batch = put_batch(batch, mesh, ("x",))
+        tables = {k: np.asarray(v) for k, v in coll.tables().items()}
+        shapes = {"seq": (B, 2, 8), "h_seq": (B, 3, 16)}
+        cts = {f.name: rng.normal(size=shapes.get(f.name, (B, coll.layout.table(f.table).dim)))
+               .astype(np.float32) for f in MIXED_FEATURES}  # fmt: skip
+        graphdef, state = nnx.split(coll)
+
+        @jax.jit
+        def step(state, batch, cts):
+            def loss(state):
+                out = nnx.merge(graphdef, state)(batch)
+                return sum(jnp.sum(out[k] * cts[k]) for k in out), out
+
+            (_, out), g = jax.value_and_grad(loss, has_aux=True)(state)
+            return out, g
+
+        out, grads = step(state, device_batch, cts)
+        # The row-sparse update (SGD: the table less lr times its gradient) from the same
+        # operands; item's two calls (dense and Ragged) update it once each. (The dense
+        # exchange builds table-shaped gradients, which a row-sparse update never does.)
+        updated = None
+        if exchange != "dense":
+            opt = jaxembed.optim.sgd(0.5)
+            states = coll.init_optimizer(opt)
+            with pytest.warns(UserWarning, match="read by 2 calls in one step"):
+                coll.apply_gradients(opt, states, device_batch, cts)
+            updated = {k: np.asarray(v, np.float64) for k, v in coll.tables().items()}
+    ref_out, ref_grads = mixed_reference(tables, batch, cts)
+    for name, want in ref_out.items():
+        np.testing.assert_allclose(np.asarray(out[name]), want, rtol=1e-5, atol=1e-5, err_msg=name)
+    stacks = {s.index: np.asarray(grads["stacks"][s.name][...]) for s in coll.layout.stacks}
+    for name, g in unstack(coll.layout, stacks).items():
+        np.testing.assert_allclose(np.asarray(g), ref_grads[name], rtol=1e-5, atol=1e-5,
+                                   err_msg=name)  # fmt: skip
+        if updated is not None:
+            want = np.asarray(tables[name], np.float64) - 0.5 * ref_grads[name]
+            np.testing.assert_allclose(updated[name], want, rtol=1e-5, atol=1e-5, err_msg=name)

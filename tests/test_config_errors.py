@@ -94,12 +94,33 @@ def test_numpy_ints_and_axis_lists_are_accepted():
     assert FeatureConfig("f", "item", max_ids=np.int64(3)).max_ids == 3
 
 
+def test_weighted_is_a_planner_hint_kept_as_a_bool():
+    assert FeatureConfig("f", "item").weighted is False
+    assert FeatureConfig("f", "item", weighted=np.bool_(True)).weighted is True
+    assert FeatureConfig("f", "item", combiner="mean", weighted=True) != FeatureConfig(
+        "f", "item", combiner="mean"
+    )
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
         ({"name": ""}, ValueError, r"a feature needs a non-empty str name, got ''"),
         ({"combiner": "avg"}, ValueError, r"feature 'f': combiner must be one of .*got 'avg'"),
         ({"max_ids": 0}, ValueError, r"feature 'f': max_ids must be a positive int, got 0"),
+        (
+            {"weighted": 1},
+            TypeError,
+            r"feature 'f': weighted must be a bool \(True when the input is \(ids, weights\)\), "
+            r"got 1 of type int",
+        ),
+        ({"weighted": "yes"}, TypeError, r"weighted must be a bool .*got 'yes' of type str"),
+        (
+            {"combiner": "max", "weighted": True},
+            ValueError,
+            r"feature 'f': per-id weights do not apply to combiner='max': pass weighted=False, "
+            r"or use combiner 'sum', 'mean' or 'sqrtn'",
+        ),
         ({"table": ""}, TypeError, r"feature 'f': table must be the name of a table"),
         (
             {"table": TableConfig("item", 100, 8)},
@@ -235,7 +256,7 @@ def test_a_feature_entry_without_table_names_the_key(tmp_path):
     with pytest.raises(
         ValueError,
         match=r"features\[0\] \('f'\) is missing the key \['table'\]: an entry takes "
-        r"\['name', 'table'\] and optionally \['combiner', 'max_ids'\]",
+        r"\['name', 'table'\] and optionally \['combiner', 'max_ids', 'weighted'\]",
     ):
         load_tables_json(path)
 
@@ -267,6 +288,17 @@ def test_a_dtype_name_loads(tmp_path):
         write(tmp_path, [{"name": "item", "vocab_size": 100, "dim": 4, "dtype": "bfloat16"}])
     )
     assert tables[0].dtype == jnp.bfloat16 and features == [FeatureConfig("item", "item")]
+
+
+def test_a_weighted_feature_loads_and_a_weighted_max_names_the_entry(tmp_path):
+    table = [{"name": "item", "vocab_size": 100, "dim": 4}]
+    feature = {"name": "f", "table": "item", "max_ids": 3, "weighted": True}
+    _, features = load_tables_json(write(tmp_path, table, [feature]))
+    assert features == [FeatureConfig("f", "item", max_ids=3, weighted=True)]
+    with pytest.raises(
+        ValueError, match=r"features\[0\] \('f'\): feature 'f': per-id weights do not apply"
+    ):
+        load_tables_json(write(tmp_path, table, [{**feature, "combiner": "max"}]))
 
 
 def test_the_cli_prints_the_missing_key(tmp_path, capsys):

@@ -139,26 +139,43 @@ def test_modelled_bytes_equal_the_compiled_lookup_and_update():
     assert any(c.out_move_bytes[1] > 0 for c in plan.calls)  # the columns output's gradient
 
 
-@pytest.mark.parametrize("widths", [(4, 5, 5), (8, 1)])  # stacked [B, 3, 5]; side by side
-def test_modelled_bytes_equal_the_compiled_call_of_each_form(widths):
+# (widths, combiners, weighted inputs), the call's form, and whether it moves per-slot factors:
+# only with a mean or sqrtn feature, or per-id weights (FeatureConfig(weighted=True) and
+# (ids, weights) inputs); unweighted sums and unpooled features move the ids alone.
+FORMS = {
+    "stacked,sum-mean-sqrtn": (((4, "sum", 0), (5, "mean", 0), (5, "sqrtn", 0)), 3, True),
+    "flat,sum-mean": (((8, "sum", 0), (1, "mean", 0)), 2, True),
+    "stacked,sum": (((4, "sum", 0), (5, "sum", 0), (5, "sum", 0)), 3, False),
+    "flat,sum-unpooled": (((8, "sum", 0), (1, "sum", 0), (2, None, 0)), 2, False),
+    "stacked,weighted-sum": (((4, "sum", 1), (5, "sum", 0), (5, "sum", 0)), 3, True),
+    "flat,mixed": (((8, "sum", 0), (1, "sum", 1), (3, "mean", 0), (2, None, 0)), 2, True),
+}
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_modelled_bytes_equal_the_compiled_call_of_each_form(form):
     # Pooled dense features of similar widths are one [B, F, L] call (padded to the widest),
-    # others one [B, ΣL] call with lengths: the planner must price the form that runs.
+    # others one [B, ΣL] call with lengths, weighted or not: the planner must price the call
+    # that runs.
+    spec, rank, weighted = FORMS[form]
     mesh = jax.make_mesh((2, 4), ("data", "model"))
     tables = [TableConfig("t", 4000, 8, placement="rows"),
               TableConfig("u", 300, 8, placement="rows")]  # fmt: skip
-    features = [FeatureConfig(f"f{i}", "t" if i % 2 == 0 else "u",
-                              ("sum", "mean", "sqrtn")[i % 3], w)
-                for i, w in enumerate(widths)]  # fmt: skip
+    features = [FeatureConfig(f"f{i}", "t" if i % 2 == 0 else "u", c, w, weighted=bool(wt))
+                for i, (w, c, wt) in enumerate(spec)]  # fmt: skip
     plan = plan_collection(tables, features, mesh, batch_size=B, memory_per_device="64MiB")
-    forms = {len(c.x_shape) for c in plan.calls}
-    assert forms == ({3} if len(widths) == 3 else {2})
+    assert [(len(c.x_shape), c.plan.bag.weighted) for c in plan.calls] == [(rank, weighted)]
     data = NamedSharding(mesh, P(("data", "model")))
     opt = jaxembed.optim.rowwise_adagrad(0.1)
+
+    def ids(f):
+        x = jax.ShapeDtypeStruct((B, f.max_ids), np.int32, sharding=data)
+        return (x, jax.ShapeDtypeStruct(x.shape, np.float32, sharding=data)) if f.weighted else x
+
     with jax.set_mesh(mesh):
         coll = nnx.eval_shape(lambda: jaxembed.nnx.EmbeddingBagCollection(
             tables, features, placements=plan, exchange=plan.exchange, rngs=nnx.Rngs(0)))  # fmt: skip
-        batch = {f.name: jax.ShapeDtypeStruct((B, f.max_ids), np.int32, sharding=data)
-                 for f in features}  # fmt: skip
+        batch = {f.name: ids(f) for f in features}
         graphdef, state = nnx.split(coll)
         lookup = jax.jit(lambda s, b: nnx.merge(graphdef, s)(b))
         text = lookup.lower(state, batch).compile().as_text()

@@ -4,9 +4,9 @@ The batch is laid out only by `jax.jit(step, in_shardings=..., out_shardings=...
 `Mesh(devices, "x")` (Auto axes), the collection gets no `x_sharding`: nothing warns, and the
 compiled step moves exactly the bytes of the step that states `x_sharding=P("x")`. On one
 device nothing is assumed and nothing is communicated; unweighted bags move no all-ones weight
-array (pending: the planner models those factors); tables initialized eagerly inside a mesh
-are born in their layout. Values are checked
-against a float64 numpy reference.
+array (the planner models the same: a call is weighted only with a mean or sqrtn feature or
+per-id weights), while weighted and mean bags still scale; tables initialized eagerly inside
+a mesh are born in their layout. Values are checked against a float64 numpy reference.
 """
 
 import warnings
@@ -174,11 +174,6 @@ def test_one_device_assumes_nothing_and_communicates_nothing(fresh_warnings):
         assert hlo.collectives(text) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the collection planner (plan/collection_cost.py) models every summed call as "
-    "weighted; the kernels may drop the all-ones factors only together with it",
-)
 def test_unweighted_bags_move_no_weight_array(fresh_warnings):
     mesh = Mesh(np.array(jax.devices()), ("x",))
     text = compiled_text(mesh)

@@ -4,7 +4,8 @@ Each case runs the lookup (or bag lookup, or row-sparse update) with exchange="r
 compares it with the dense float64 reference, with duplicates, padding, out-of-range ids and a
 padded vocabulary, in block and in mod row order; a capacity of 1 and an adversarial batch
 (every id on one shard) force the fallback, which must be just as exact and be reported; the
-compiled program holds exactly the plan's collectives (routed, flag and fallback).
+compiled program holds exactly the plan's collectives (routed, flag and fallback), with the
+native kernels (the bucketing by owner too) and with XLA's.
 """
 
 import collections
@@ -19,6 +20,7 @@ from test_embedding import dense_reference, make_inputs, make_mesh, put
 
 import jaxembed
 from jaxembed import hlo
+from jaxembed.kernels import native
 from jaxembed.optim import reference
 
 ROWS, HIDDEN, VOCAB, PAD = 64, 8, 59, 7
@@ -55,10 +57,15 @@ def check_program(plan, text, mesh):
         assert tuple(plan.table_shard_shape) not in c.result_shape, c
 
 
+NATIVE = pytest.param("native", marks=pytest.mark.skipif(
+    not native.available(), reason=f"native kernels unavailable: {native.why_unavailable()}"))  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", [NATIVE, "xla"])
 @pytest.mark.parametrize("capacity", [None, 1])
 @pytest.mark.parametrize("row_sharding", ["block", "mod"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_lookup_and_gradient(layout, row_sharding, capacity):
+def test_lookup_and_gradient(layout, row_sharding, capacity, impl):
     mesh_shape, w_spec, x_spec = LAYOUTS[layout]
     mesh = make_mesh(mesh_shape, AxisType.Explicit)
     ids, table, ct = make_inputs(
@@ -66,7 +73,7 @@ def test_lookup_and_gradient(layout, row_sharding, capacity):
     )
     stored = physical(table, row_sharding, mesh_shape, w_spec)
     kw = dict(vocab_size=VOCAB, padding_idx=PAD, exchange="routed", capacity=capacity,
-              row_sharding=row_sharding)  # fmt: skip
+              row_sharding=row_sharding, impl=impl)  # fmt: skip
     plan = jaxembed.plan_embedding(mesh, ids.shape, stored.shape, x_spec=x_spec,
                                    weight_spec=w_spec, **kw)  # fmt: skip
     assert plan.exchange == "routed" and plan.routed.capacity == (capacity or plan.routed.capacity)
@@ -74,7 +81,7 @@ def test_lookup_and_gradient(layout, row_sharding, capacity):
     def step(ids, t, ct):
         f = lambda t: jaxembed.embedding(ids, t, return_stats=True, **kw)
         (out, stats), vjp = jax.vjp(f, t)
-        zero = jaxembed.LookupStats(np.zeros((), jax.dtypes.float0))
+        zero = jax.tree.map(lambda a: np.zeros(a.shape, jax.dtypes.float0), stats)
         return out, stats.routed_fallback, vjp((ct, zero))[0]
 
     args = put(ids, mesh, x_spec), put(stored, mesh, w_spec), put(ct, mesh, plan.out_spec)

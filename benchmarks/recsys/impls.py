@@ -10,6 +10,8 @@ devices: the bags split over it, every table's rows split over it.
 | `jaxembed` | `collection_lookup`, `impl="auto"` (native) | `collection_update`, row-wise Adagrad |
 | `jaxembed[xla]` | the same, `impl="xla"` | the same, `impl="xla"` |
 | `jaxembed[rows]` | the same, `exchange="rows"` | the same, `exchange="rows"` |
+| `jaxembed[routed]` | the same, `exchange="routed"` (each id to its owner) | the same |
+| `jaxembed[auto]` | placements, exchanges: `plan_collection` (384 MiB a device) | the same |
 | `xla` | `jnp.take` + sum over the bag (XLA partitions it) | `optax.adagrad` (dense) |
 | `flax` | one `nnx.Embed` per table + sum | `nnx.Optimizer(optax.adagrad)` |
 
@@ -42,7 +44,17 @@ from jaxembed import workloads as W
 
 __all__ = ["VARIANTS", "Variant", "build_variant", "collection_variant", "dense_ids", "read_rows"]
 
-VARIANTS = ("jaxembed", "jaxembed[xla]", "jaxembed[rows]", "xla", "flax")
+VARIANTS = (
+    "jaxembed",
+    "jaxembed[xla]",
+    "jaxembed[rows]",
+    "jaxembed[routed]",
+    "jaxembed[auto]",
+    "xla",
+    "flax",
+)
+PLANNER_BUDGET = "384MiB"
+"""The per-device memory `jaxembed[auto]` gives the planner (as the issue's NNX step had)."""
 """The implementations this module builds (`build_variant`)."""
 
 
@@ -165,9 +177,15 @@ def _jaxembed(workload: W.Workload, n: int, lr: float, eps: float, *, impl: str,
     from jaxembed.collection import FeatureConfig, TableConfig, layout_collection
 
     mesh = _mesh(n, AxisType.Explicit)
-    tables = [TableConfig(t.name, t.rows, t.dim, placement="rows") for t in workload.tables]
+    placement = "auto" if name == "jaxembed[auto]" else "rows"
+    tables = [TableConfig(t.name, t.rows, t.dim, placement=placement) for t in workload.tables]
     features = [FeatureConfig(f.name, f.table, max_ids=f.max_ids) for f in workload.features]
-    layout = layout_collection(tables, features, mesh)
+    placements = None
+    if placement == "auto":
+        plan = jaxembed.plan_collection(tables, features, mesh, batch_size=workload.batch_size,
+                                        memory_per_device=PLANNER_BUDGET)  # fmt: skip
+        placements, exchange = plan.placements, plan.exchanges
+    layout = layout_collection(tables, features, mesh, placements)
     opt = jaxembed.optim.rowwise_adagrad(lr, eps=eps)
     info = {"impl": impl, "exchange": exchange, "layout": str(layout),
             **_plan_info(layout, workload, mesh, exchange, impl)}  # fmt: skip
@@ -236,7 +254,7 @@ def collection_variant(name: str, layout: Any, mesh: Any, opt: Any, names: list[
                    make_state, NamedSharding(mesh, P("data", None)), read, info)  # fmt: skip
 
 
-def _plan_info(layout, workload: W.Workload, mesh, exchange: str, impl: str) -> dict[str, Any]:
+def _plan_info(layout, workload: W.Workload, mesh, exchange: Any, impl: str) -> dict[str, Any]:
     """The exchange jaxembed's plan picks for each stack's (one) call, in the form the
     collection runs it (`[B, F, L]` stacked, or `[B, ΣL]` with lengths)."""
     import jaxembed
@@ -250,9 +268,10 @@ def _plan_info(layout, workload: W.Workload, mesh, exchange: str, impl: str) -> 
             (workload.batch_size, sum(f.max_ids for f in feats)), len(feats))  # fmt: skip
         try:
             plans = [jaxembed.plan_embedding_bag(
-                mesh.abstract_mesh, shape, s.shape, num_bags=bags, weighted=True,
-                lengths_spec=P() if bags else None,
-                x_spec=P("data", None), weight_spec=s.spec, exchange=exchange, impl=impl,
+                mesh.abstract_mesh, shape, s.shape, num_bags=bags,
+                lengths_spec=P() if bags else None, x_spec=P("data", None), weight_spec=s.spec,
+                exchange=exchange if isinstance(exchange, str) else exchange.get(s.index, "auto"),
+                impl=impl,
                 update=update, optimizer_slots=(False,) if update else (),
             ) for update in (False, True)]  # fmt: skip
         except Exception as err:  # the plan is a record here, not a requirement
@@ -442,5 +461,5 @@ def build_variant(
     if name == "flax":
         return _flax(workload, num_devices, lr, eps)
     impl = "xla" if name == "jaxembed[xla]" else "auto"
-    exchange = "rows" if name == "jaxembed[rows]" else "auto"
+    exchange = {"jaxembed[rows]": "rows", "jaxembed[routed]": "routed"}.get(name, "auto")
     return _jaxembed(workload, num_devices, lr, eps, impl=impl, exchange=exchange, name=name)

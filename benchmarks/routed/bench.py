@@ -18,10 +18,14 @@ fallback rate over fresh batches (`return_stats=True`), and the rows each device
 (`plan.routed.rows_looked_up` against G/n_S, with the busiest bucket of the batch). A Zipf
 sweep runs on the first layout; the batch sweep runs `rows-on-model` (data=2, model=4) with
 the exchange forced `rows` / `dense` and `auto` (fwd + bwd + optax SGD, as `jaxembed bench`).
+The bucketing sweep (`benchmarks.routed.bucketing`) times the exchange's sort + dedup by owner
+alone, XLA's comparison sort against the native counting sort + hash, side by side, at the
+plan's M, n and C; `--layouts --batch-sweep` (no values) runs it alone.
 
     jaxembed bench routed --quick --json /tmp/routed.json
     jaxembed bench routed --json benchmarks/results/routed/routed.json \\
         --markdown benchmarks/results/routed/routed.md --plot benchmarks/results/routed
+    python -m benchmarks routed --layouts --batch-sweep --bucketing-slots 65536
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from benchmarks.common.timing import TimingPolicy
 from benchmarks.layouts.cases import LAYOUTS, Layout
 from benchmarks.layouts.impls import make_mesh
 from benchmarks.routed.batch_sweep import batch_sweep, batch_targets
+from benchmarks.routed.bucketing import bucketing_sweep
 from jaxembed.workloads import zipf_ids
 
 __all__ = ["QUICK", "ROUTED_LAYOUTS", "RoutedConfig", "main", "run_routed", "targets"]
@@ -72,6 +77,7 @@ class RoutedConfig:
       fallback_batches: fresh batches per point on which the fallback rate is counted.
       batch_sweep: B of the batch sweep (ids `[B, batch_seq]`, rows-on-model).
       batch_vocab, batch_hidden, batch_seq: the batch sweep's shapes.
+      bucketing_slots: M (slots per device) of the bucketing sweep, native vs XLA (V = vocab).
       learning_rate, seed: SGD's rate; the draw of ids and cotangents.
       timing: the timing policy of every group.
       memory_budget_bytes: what a group may hold (None: 60% of the available memory).
@@ -91,6 +97,7 @@ class RoutedConfig:
     batch_vocab: int = 65536
     batch_hidden: int = 128
     batch_seq: int = 128
+    bucketing_slots: tuple[int, ...] = (65536,)
     learning_rate: float = 0.1
     seed: int = 0
     timing: TimingPolicy = harness.TIMING
@@ -101,7 +108,7 @@ class RoutedConfig:
 QUICK = RoutedConfig(
     vocab=8192, hidden=16, ids_shape=(8, 16), zipf_sweep=(0.0, 1.1), fallback_batches=2,
     batch_sweep=(2, 512), batch_vocab=8192, batch_hidden=16, batch_seq=16,
-    timing=harness.QUICK_TIMING, quick=True,
+    bucketing_slots=(1024,), timing=harness.QUICK_TIMING, quick=True,
 )  # fmt: skip
 """Tiny shapes: every code path in seconds; timings mean nothing."""
 
@@ -314,7 +321,8 @@ def run_routed(config: RoutedConfig | None = None, *, say=None) -> dict[str, Any
       say: called with a line of progress now and then.
 
     Returns:
-      `{"schema", "machine", "config", "points": [...], "batch_sweep": [...], "targets"}`.
+      `{"schema", "machine", "config", "points": [...], "batch_sweep": [...],
+      "bucketing": [...], "targets"}`.
       A point is one (layout, row sharding, Zipf exponent) with, per exchange, the wire
       bytes of both paths and of the one this batch took (`effective_wire_bytes`), the
       check, times, `fallback_rate`, and the plan's capacity and candidates; `routing`
@@ -346,6 +354,10 @@ def run_routed(config: RoutedConfig | None = None, *, say=None) -> dict[str, Any
         config.batch_sweep, vocab=config.batch_vocab, hidden=config.batch_hidden,
         seq=config.batch_seq, timing=config.timing, learning_rate=config.learning_rate,
         seed=config.seed, say=say,
+    )  # fmt: skip
+    record["bucketing"] = bucketing_sweep(
+        config.bucketing_slots, vocab=config.vocab, timing=config.timing, seed=config.seed,
+        say=say,
     )  # fmt: skip
     record["targets"] = targets(record)
     return record
@@ -401,19 +413,24 @@ def main(argv: list[str]) -> int:
         "The routed exchange against the gather path: bytes, step time, fallbacks, "
         "rows looked up; a Zipf sweep and the exchange choice over the batch.",
     )
-    p.add_argument("--layouts", nargs="+", choices=list(ROUTED_LAYOUTS))
+    p.add_argument("--layouts", nargs="*", choices=list(ROUTED_LAYOUTS),
+                   help="the layouts of the exchange points (none with no values)")  # fmt: skip
     p.add_argument("--zipf-sweep", nargs="+", type=float, metavar="S")
     p.add_argument("--batch-sweep", nargs="*", type=int, metavar="B",
                    help="batch sizes of the batch sweep (none with no values)")  # fmt: skip
+    p.add_argument("--bucketing-slots", nargs="*", type=int, metavar="M",
+                   help="slots per device of the bucketing sweep (none: no values)")  # fmt: skip
     args = p.parse_args(argv)
     config = QUICK if args.quick else RoutedConfig()
     changes = harness.common_changes(args, config)
-    if args.layouts:
+    if args.layouts is not None:
         changes["layouts"] = tuple(dict.fromkeys(args.layouts))
     if args.zipf_sweep:
         changes["zipf_sweep"] = tuple(args.zipf_sweep)
     if args.batch_sweep is not None:
         changes["batch_sweep"] = tuple(args.batch_sweep)
+    if args.bucketing_slots is not None:
+        changes["bucketing_slots"] = tuple(args.bucketing_slots)
     config = dataclasses.replace(config, **changes)
     from benchmarks.routed import report
 

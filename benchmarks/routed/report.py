@@ -10,12 +10,14 @@ from benchmarks.common.report import Table, group_status, group_targets_table
 from benchmarks.common.report import fmt_bytes as _bytes
 from benchmarks.common.report import fmt_num as _num
 from benchmarks.layouts.report import batch_table, plot_batch
+from benchmarks.routed.bucketing import bucketing_table
 
 __all__ = ["plot_routed", "routed_tables"]
 
 
 def routed_tables(record: dict[str, Any]) -> list[Table]:
-    """`bench routed`: exchanges per point, the routing's numbers, the batch sweep, targets."""
+    """`bench routed`: exchanges per point, the routing's numbers, the batch sweep, the
+    bucketing (native vs XLA), targets."""
     headers = ["layout", "rows", "zipf", "exchange", "plan", "status", "wire bytes", "x rows",
                "fallback rate", "median ms", "p90 ms", "x rows time"]  # fmt: skip
     rows = []
@@ -47,11 +49,13 @@ def routed_tables(record: dict[str, Any]) -> list[Table]:
                      str(r["rows_looked_up"]), f"{r['ids_per_owner']:.0f}",
                      _num(r["rows_looked_up_ratio"])])  # fmt: skip
     routing = ("the routed exchange's buckets (per device and owner, this batch)", headers, rows)
-    out = [main, routing]
+    out = [main, routing] if record["points"] else []
     if record.get("batch_sweep"):
         title, headers, rows = batch_table(record["batch_sweep"])
         out.append(("batch sweep (rows-on-model, fwd + bwd + optax SGD): " + title.split(": ")[-1],
                     headers, rows))  # fmt: skip
+    if record.get("bucketing"):
+        out.append(bucketing_table(record["bucketing"]))
     out.append(group_targets_table(record["targets"], "bench routed targets"))
     return out
 

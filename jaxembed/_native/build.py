@@ -67,6 +67,7 @@ TARGETS = {
     "jaxembed_scatter_add": "JaxembedScatterAdd",
     "jaxembed_bag_scatter_add": "JaxembedBagScatterAdd",
     "jaxembed_dedup_rows": "JaxembedDedupRows",
+    "jaxembed_bucket_ids": "JaxembedBucketIds",
     "jaxembed_apply_rows": "JaxembedApplyRows",
     "jaxembed_bag_apply_rows": "JaxembedBagApplyRows",
 }

@@ -1,5 +1,6 @@
 // jaxembed's native CPU kernels: the shard-local gather / pool / scatter / dedup + update of
-// jaxembed/kernels/local.py and jaxembed/kernels/sparse.py, as XLA FFI handlers.
+// jaxembed/kernels/local.py and jaxembed/kernels/sparse.py, and the routed exchange's bucketing
+// by owner (local.bucket_ids), as XLA FFI handlers.
 //
 // Each handler is one C++ function behind one XLA_FFI_DEFINE_HANDLER_SYMBOL, typed with
 // ffi::Buffer, the thread count an attribute; bad shapes or attributes return an ffi::Error that
@@ -563,6 +564,200 @@ ffi::Error DedupRowsImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> val
   return ffi::Error::Success();
 }
 
+// ---- bucket_ids -------------------------------------------------------------------------------
+
+// local.bucket_ids exactly (the sort + dedup of routed.bucketize), without sorting the slots:
+//
+//   1. a stable counting sort of the slots by bucket dest[i] in [0, n] (n + 1 buckets; n: the
+//      slot reads no row), O(M), each thread counting and placing its chunk as ForEachSegment;
+//   2. every bucket on one thread: an open-addressing hash of its ids (linear probing,
+//      multiplicative hash) numbers its distinct ids by first occurrence, O(slots);
+//   3. only the bucket's distinct ids are sorted, ascending as signed int32 (XLA's order): an
+//      LSD radix over their span (digits of at most 11 bits), std::sort when there are few;
+//   4. each slot's pos is its id's rank; send[b] the first C sorted ids (-1 after), for b < n.
+//
+// O(M + D·p) with D the distinct (bucket, id) pairs and p = ceil(span bits / 11) <= 3 passes.
+// Bucket n is ranked like the others (pos as XLA gives it) but never sent nor counted for the
+// overflow. Each bucket is written by one thread: the result does not depend on the threads.
+// The idea of step 1 is FBGEMM's block_bucketize_sparse_features (TorchRec's input dist):
+// count each slot's owner, lay the owners out by prefix sums, place the slots; the dedup per
+// owner and the ascending order (XLA's) are ours.
+struct BucketWork {
+  std::vector<int32_t> hash_key, hash_val;  // the hash: an id and its distinct number (-1: free)
+  std::vector<int32_t> ids;                 // the distinct ids, in first-occurrence order
+  std::vector<int32_t> which;               // each of the bucket's slots: its distinct number
+  std::vector<uint64_t> sort_a, sort_b;     // (id - lowest) << 32 | distinct number
+  std::vector<int32_t> rank;                // each distinct number: its place in the bucket
+  std::vector<int64_t> digits;
+};
+
+// Sorts a[0:d] (keys in the high 32 bits, below 2^bits; all distinct) ascending.
+inline void SortDistinct(uint64_t* a, uint64_t* b, int64_t d, int bits, std::vector<int64_t>& hist) {
+  if (d < 128 || bits == 0) {
+    std::sort(a, a + d);
+    return;
+  }
+  const int passes = (bits + kMaxDigitBits - 1) / kMaxDigitBits;
+  const int digit_bits = (bits + passes - 1) / passes;
+  const int64_t size = int64_t{1} << digit_bits;
+  const uint64_t mask = static_cast<uint64_t>(size - 1);
+  hist.resize(static_cast<size_t>(size));
+  for (int pass = 0; pass < passes; ++pass) {
+    const int shift = 32 + pass * digit_bits;
+    std::fill(hist.begin(), hist.end(), 0);
+    for (int64_t j = 0; j < d; ++j) ++hist[(a[j] >> shift) & mask];
+    int64_t total = 0;
+    for (int64_t& h : hist) {
+      const int64_t c = h;
+      h = total;
+      total += c;
+    }
+    for (int64_t j = 0; j < d; ++j) b[hist[(a[j] >> shift) & mask]++] = a[j];
+    std::swap(a, b);
+  }
+  if (passes % 2 == 1) std::memcpy(b, a, d * sizeof(uint64_t));  // the result in the caller's a
+}
+
+// One bucket: its slots order[0:count] (ascending), their ids key[slot]. Writes pos of its
+// slots and, when send_row is given, its first C distinct ids; returns its distinct ids.
+int64_t BucketOne(const int32_t* order, int64_t count, const int32_t* key, int32_t* pos,
+                  int32_t* send_row, int64_t C, BucketWork& w) {
+  int log2 = 4;
+  while ((int64_t{1} << log2) < 2 * count) ++log2;
+  const uint64_t size = uint64_t{1} << log2, mask = size - 1;
+  w.hash_key.resize(size);
+  w.hash_val.assign(size, -1);
+  w.ids.resize(static_cast<size_t>(count));
+  w.which.resize(static_cast<size_t>(count));
+  int64_t d = 0;
+  int32_t lo = std::numeric_limits<int32_t>::max(), hi = std::numeric_limits<int32_t>::min();
+  for (int64_t j = 0; j < count; ++j) {
+    const int32_t k = key[order[j]];
+    uint64_t h = (static_cast<uint32_t>(k) * 0x9E3779B1u) >> (32 - log2);  // Fibonacci hash
+    while (w.hash_val[h] >= 0 && w.hash_key[h] != k) h = (h + 1) & mask;
+    if (w.hash_val[h] < 0) {
+      w.hash_key[h] = k;
+      w.hash_val[h] = static_cast<int32_t>(d);
+      w.ids[d++] = k;
+      lo = std::min(lo, k);
+      hi = std::max(hi, k);
+    }
+    w.which[j] = w.hash_val[h];
+  }
+  w.sort_a.resize(static_cast<size_t>(d));
+  w.sort_b.resize(static_cast<size_t>(d));
+  for (int64_t e = 0; e < d; ++e) {
+    const uint64_t above = static_cast<uint64_t>(static_cast<int64_t>(w.ids[e]) - lo);
+    w.sort_a[e] = (above << 32) | static_cast<uint64_t>(e);
+  }
+  const uint64_t span = d ? static_cast<uint64_t>(static_cast<int64_t>(hi) - lo) + 1 : 1;
+  SortDistinct(w.sort_a.data(), w.sort_b.data(), d, BitsFor(span), w.digits);
+  w.rank.resize(static_cast<size_t>(d));
+  for (int64_t r = 0; r < d; ++r) {
+    const int64_t e = static_cast<int64_t>(w.sort_a[r] & 0xffffffffu);
+    w.rank[e] = static_cast<int32_t>(r);
+    if (send_row && r < C) send_row[r] = w.ids[e];
+  }
+  if (send_row)
+    for (int64_t r = d; r < C; ++r) send_row[r] = -1;
+  for (int64_t j = 0; j < count; ++j) pos[order[j]] = w.rank[w.which[j]];
+  return d;
+}
+
+ffi::Error BucketIdsImpl(ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> key,
+                         ffi::Result<ffi::Buffer<ffi::S32>> send,
+                         ffi::Result<ffi::Buffer<ffi::S32>> pos,
+                         ffi::Result<ffi::Buffer<ffi::PRED>> overflow, int64_t num_buckets,
+                         int64_t capacity, int64_t num_threads) {
+  constexpr const char* k = "bucket_ids";
+  if (auto e = CheckThreads(k, num_threads); e.failure()) return e;
+  if (dest.dimensions().size() != 1) {
+    return Invalid(k, "dest must be 1-D [M], got shape " + Dims(dest.dimensions()));
+  }
+  const int64_t M = dest.element_count(), n = num_buckets, C = capacity;
+  if (M > std::numeric_limits<int32_t>::max()) {
+    return Invalid(k, "M=" + std::to_string(M) + " slots exceeds the limit 2^31 - 1");
+  }
+  if (n < 0 || n >= std::numeric_limits<int32_t>::max() || C < 0 ||
+      C > std::numeric_limits<int32_t>::max()) {
+    return Invalid(k, "num_buckets=" + std::to_string(n) + " and capacity=" + std::to_string(C) +
+                          " must lie in [0, 2^31 - 2] and [0, 2^31 - 1]");
+  }
+  if (auto e = CheckShape(k, "key", key.dimensions(), {M}); e.failure()) return e;
+  if (auto e = CheckShape(k, "send", send->dimensions(), {n, C}); e.failure()) return e;
+  if (auto e = CheckShape(k, "pos", pos->dimensions(), {M}); e.failure()) return e;
+  if (auto e = CheckShape(k, "overflow", overflow->dimensions(), {}); e.failure()) return e;
+  const int32_t* ds = dest.typed_data();
+  const int32_t* ks = key.typed_data();
+  int32_t* sd = send->typed_data();
+  int32_t* ps = pos->typed_data();
+  const int64_t B = n + 1;  // bucket n: the slots that read no row
+
+  // 1. Counting sort of the slots by bucket (per-thread counts, bucket-major / thread-minor).
+  Team team(ThreadsFor(num_threads, M));
+  const int threads = team.size();
+  std::vector<int64_t> counts(static_cast<size_t>(threads * B));
+  std::vector<int64_t> bad(threads, -1);  // each thread's first slot with dest outside [0, n]
+  team.Run([&](int t) {
+    int64_t* c = counts.data() + t * B;
+    for (int64_t i = PartStart(M, threads, t), e = PartStart(M, threads, t + 1); i < e; ++i) {
+      const int32_t b = ds[i];
+      if (b < 0 || b > n) {
+        bad[t] = i;
+        return;
+      }
+      ++c[b];
+    }
+  });
+  for (int t = 0; t < threads; ++t) {
+    if (bad[t] >= 0) {
+      return Invalid(k, "dest[" + std::to_string(bad[t]) + "]=" + std::to_string(ds[bad[t]]) +
+                            " is outside [0, num_buckets=" + std::to_string(n) +
+                            "] (num_buckets: the slot reads no row)");
+    }
+  }
+  std::vector<int64_t> start(B + 1);
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    start[b] = total;
+    for (int t = 0; t < threads; ++t) {
+      const int64_t c = counts[t * B + b];
+      counts[t * B + b] = total;
+      total += c;
+    }
+  }
+  start[B] = total;
+  auto order = Uninitialized<int32_t>(M);
+  team.Run([&](int t) {
+    int64_t* c = counts.data() + t * B;
+    for (int64_t i = PartStart(M, threads, t), e = PartStart(M, threads, t + 1); i < e; ++i)
+      order[c[ds[i]]++] = static_cast<int32_t>(i);
+  });
+
+  // 2-4. Each bucket on one thread; thread t takes the buckets that start in its share of M.
+  std::vector<uint8_t> over(static_cast<size_t>(B), 0);
+  team.Run([&](int t) {
+    auto bucket_at = [&](int p) -> int64_t {
+      if (p == 0) return 0;
+      if (p == threads) return B;
+      return std::lower_bound(start.begin(), start.end() - 1, PartStart(M, threads, p)) -
+             start.begin();
+    };
+    const int64_t lo = bucket_at(t), hi = std::max(lo, bucket_at(t + 1));
+    BucketWork w;
+    for (int64_t b = lo; b < hi; ++b) {
+      int32_t* row = b < n ? sd + b * C : nullptr;
+      const int64_t d = BucketOne(order.get() + start[b], start[b + 1] - start[b], ks, ps, row,
+                                  C, w);
+      over[b] = b < n && d > C;
+    }
+  });
+  bool any = false;
+  for (int64_t b = 0; b < n; ++b) any = any || over[b];
+  *overflow->typed_data() = any;
+  return ffi::Error::Success();
+}
+
 // ---- apply_rows, bag_apply_rows -------------------------------------------------------------
 
 struct UpdateBuffers {
@@ -876,6 +1071,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedDedupRows, jaxembed::Safe<jaxembed::DedupR
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("num_rows")
+                                  .Attr<int64_t>("num_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedBucketIds, jaxembed::Safe<jaxembed::BucketIdsImpl>::Call,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Attr<int64_t>("num_buckets")
+                                  .Attr<int64_t>("capacity")
                                   .Attr<int64_t>("num_threads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedApplyRows, jaxembed::Safe<jaxembed::ApplyRowsImpl>::Call,

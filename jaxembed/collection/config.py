@@ -138,20 +138,30 @@ class FeatureConfig:
         `EmbeddingCollection`).
       max_ids: the bag capacity L this feature's dense input `[B, L]` has (for the planner's
         estimates; inputs carry their own shapes). Default 1.
+      weighted: the feature's input carries per-id weights, `(ids, weights)` (for the
+        planner's estimates, as `max_ids` is; TorchRec's `is_weighted`). A lookup whose
+        features are all unweighted sums (or unpooled) moves no per-slot factors, so
+        `jaxembed.plan_collection` prices such a call without them; the inputs decide what
+        runs, and weights given to a feature marked unweighted are still applied.
 
     Raises:
-      ValueError: an empty name, an unknown combiner, a max_ids that is not a positive int.
-      TypeError: a table that is not a table's name (e.g. the `TableConfig` itself).
+      ValueError: an empty name, an unknown combiner, a max_ids that is not a positive int,
+        weighted=True with combiner "max" (max pooling takes no weights).
+      TypeError: a table that is not a table's name (e.g. the `TableConfig` itself), a
+        weighted that is not a bool.
 
     Examples:
       >>> FeatureConfig("clicked_items", table="item", combiner="mean", max_ids=50)
-      FeatureConfig(name='clicked_items', table='item', combiner='mean', max_ids=50)
+      FeatureConfig(name='clicked_items', table='item', combiner='mean', max_ids=50, weighted=False)
+      >>> FeatureConfig("query_terms", table="word", max_ids=8, weighted=True).weighted
+      True
     """
 
     name: str
     table: str
     combiner: str | None = "sum"
     max_ids: int | None = None
+    weighted: bool = False
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -178,6 +188,17 @@ class FeatureConfig:
         ):
             raise ValueError(
                 f"feature {self.name!r}: max_ids must be a positive int, got {self.max_ids!r}"
+            )
+        if not isinstance(self.weighted, bool | np.bool_):
+            raise TypeError(
+                f"feature {self.name!r}: weighted must be a bool (True when the input is "
+                f"(ids, weights)), got {self.weighted!r} of type {type(self.weighted).__name__}"
+            )
+        object.__setattr__(self, "weighted", bool(self.weighted))
+        if self.weighted and self.combiner == "max":
+            raise ValueError(
+                f"feature {self.name!r}: per-id weights do not apply to combiner='max': pass "
+                "weighted=False, or use combiner 'sum', 'mean' or 'sqrtn'"
             )
 
     @property

@@ -30,12 +30,14 @@ from jax.sharding import PartitionSpec as P
 __all__ = [
     "assumed_ids_spec",
     "batch_typed_like",
+    "conform",
     "is_explicit",
     "layout_known",
     "move",
     "normalize_spec",
     "place_table",
     "resolve_mesh",
+    "retype",
     "spec_of",
     "stated_spec",
     "typed_like",
@@ -171,6 +173,37 @@ def move(a: jax.Array, mesh: Any, spec: P) -> jax.Array:
     if is_explicit(mesh):
         return jax.sharding.reshard(a, NamedSharding(mesh, spec))
     return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+
+
+def conform(a: Any, mesh: Any, spec: P) -> Any:
+    """`a` typed as a plan's `spec` where its Explicit type names more: the mesh axes of size
+    1 plans drop (`jaxembed.plan.specs.drop_unit_axes`). Free: a split into one piece is the
+    same bytes on the same devices, so the `reshard` compiles to nothing. A no-op outside
+    an Explicit mesh, where `shard_map` reads no type."""
+    if a is None or mesh is None or not is_explicit(mesh):
+        return a
+    try:
+        typed = jax.typeof(a).sharding
+    except Exception:
+        return a
+    if not isinstance(typed, NamedSharding) or typed.mesh.empty:
+        return a
+    if normalize_spec(typed.spec, a.ndim) == normalize_spec(spec, a.ndim):
+        return a
+    return jax.sharding.reshard(a, NamedSharding(typed.mesh, spec))
+
+
+def retype(a: Any, spec: P | None) -> Any:
+    """`a` typed as `spec` (a plan's `out_type_spec`: its `out_spec` with the caller's axes of
+    size 1, free); `a` itself when `spec` is None or it is typed so already."""
+    if spec is None:
+        return a
+    typed = jax.typeof(a).sharding
+    if not isinstance(typed, NamedSharding) or typed.mesh.empty:
+        return a
+    if normalize_spec(typed.spec, a.ndim) == normalize_spec(spec, a.ndim):
+        return a
+    return jax.sharding.reshard(a, NamedSharding(typed.mesh, spec))
 
 
 def place_table(a: Any, mesh: Any, spec: P) -> Any:
@@ -327,7 +360,7 @@ def zeros_like_output(
         out_specs=spec,
         check_vma=False,
     )
-    return body(table)
+    return body(conform(table, mesh, table_spec))
 
 
 def whole_on_one_device(a: Any) -> Any:

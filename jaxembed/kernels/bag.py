@@ -32,25 +32,29 @@ from jaxembed.kernels import local as local_ops
 from jaxembed.kernels import routed as routed_ops
 from jaxembed.kernels.arrays import (
     batch_typed_like,
+    conform,
     eager,
     move,
     resolve_mesh,
+    retype,
     whole_on_one_device,
     zeros_like_output,
 )
 from jaxembed.kernels.common import (
-    LookupStats,
     check_table,
     companion_spec,
     cotangent_spec,
+    counts_spec,
     finish_gradient,
     out_grad_to_body,
     reduce_over_rows,
     resolve_layouts,
     runs_on_one_device,
     shard_map,
+    stats_of,
     validate_scalars,
     with_stats,
+    work_counts,
 )
 from jaxembed.kernels.options import LookupOptions
 from jaxembed.kernels.reshard import apply_moves, gather
@@ -187,7 +191,7 @@ def _gather_bags(plan: EmbeddingPlan, bags: Bags, axes, dim) -> Bags:
 
 def _routed_pool(plan: EmbeddingPlan, bags: Bags, table: jax.Array):
     """The routed forward: fetch each slot's row from its owner, pool locally; a step whose
-    buckets overflow pools through the gather exchange instead. `(out, overflow)`."""
+    buckets overflow pools through the gather exchange instead. `(out, overflow, counts)`."""
     s = _slots(plan, bags, my_bags_only=True, owned_only=False)
     buckets = routed_ops.bucketize(plan, bags.ids.reshape(-1), s.here)
     overflow = routed_ops.overflowed(buckets, plan.mesh_names)
@@ -195,34 +199,39 @@ def _routed_pool(plan: EmbeddingPlan, bags: Bags, table: jax.Array):
     ops = kernels_for(plan)
 
     def routed(_):
-        rows = routed_ops.route_rows(plan, table, buckets)  # f[M, H/K], complete rows
+        rows, reads = routed_ops.route_rows(plan, table, buckets, count=True)  # f[M, H/K]
         slots = jnp.arange(rows.shape[0], dtype=jnp.int32)
         pooled = ops.pool_sum(rows, slots, s.here, s.segment, s.scale, s.num_segments)
-        return _out_shape(plan, bags, pooled.astype(table.dtype))
+        out = _out_shape(plan, bags, pooled.astype(table.dtype))
+        return out, work_counts(plan, rows.shape[0], reads)  # pooled: my own slots
 
     def fallback(_):
         whole = _gather_bags(plan, bags, plan.routed.axes, plan.routed.dim)
         g = _slots(plan, whole, my_bags_only=True)
         pooled = ops.pool_sum(table, g.local, g.here, g.segment, g.scale, g.num_segments)
-        return reduce_over_rows(plan, _out_shape(plan, whole, pooled.astype(table.dtype)))
+        out = reduce_over_rows(plan, _out_shape(plan, whole, pooled.astype(table.dtype)))
+        return out, work_counts(plan, g.here.shape[0], jnp.sum(g.here))
 
-    return jax.lax.cond(overflow, fallback, routed, None), overflow.astype(jnp.int32)
+    out, counts = jax.lax.cond(overflow, fallback, routed, None)
+    return out, overflow.astype(jnp.int32), counts
 
 
 def pool(plan: EmbeddingPlan, bags: Bags, table: jax.Array):
-    """A block's pooled bags, reduced over the row shards: `(out, winners, overflow)` in the
-    body's layout (winners: the slot of each max, int32 like out, None unless max; overflow:
-    int32[], the routed exchange fell back this step)."""
+    """A block's pooled bags, reduced over the row shards: `(out, winners, overflow,
+    counts)` in the body's layout (winners: the slot of each max, int32 like out, None
+    unless max; overflow: int32[], the routed exchange fell back this step; counts:
+    `work_counts`, the slots walked and rows read here)."""
     no_overflow = jnp.zeros((), jnp.int32)
     if plan.exchange == "routed":
-        out, overflow = _routed_pool(plan, bags, table)
-        return out, None, overflow
+        out, overflow, counts = _routed_pool(plan, bags, table)
+        return out, None, overflow, counts
     s = _slots(plan, bags, my_bags_only=True)
+    counts = work_counts(plan, s.here.shape[0], jnp.sum(s.here))
     ops = kernels_for(plan)
     if plan.bag.combiner != "max":
         pooled = ops.pool_sum(table, s.local, s.here, s.segment, s.scale, s.num_segments)
         out = reduce_over_rows(plan, _out_shape(plan, bags, pooled.astype(table.dtype)))
-        return out, None, no_overflow
+        return out, None, no_overflow, counts
     maxima, winners = ops.pool_max(table, s.local, s.here, s.segment, s.num_segments)
     # maxima: f32[G*B, H/K] (-inf: no row here); winners: slot index in the flat block
     capacity = bags.ids.shape[-1]
@@ -233,7 +242,8 @@ def pool(plan: EmbeddingPlan, bags: Bags, table: jax.Array):
         winners = jax.lax.pmin(mine, plan.psum_axes)
         maxima = best
     pooled = jnp.where(jnp.isfinite(maxima), maxima, 0.0).astype(table.dtype)
-    return _out_shape(plan, bags, pooled), _out_shape(plan, bags, winners), no_overflow
+    out = _out_shape(plan, bags, pooled)
+    return out, _out_shape(plan, bags, winners), no_overflow, counts
 
 
 def moved_bags(plan: EmbeddingPlan, given) -> Bags:
@@ -247,10 +257,10 @@ def _forward_body(plan: EmbeddingPlan, *arrays):
     # as given; table f[V/R, H/K] last.
     *given, table = arrays
     bags = moved_bags(plan, given)
-    out, winners, overflow = pool(plan, bags, table)  # f[*out / body_out_spec, H/K]
+    out, winners, overflow, counts = pool(plan, bags, table)  # f[*out / body_out_spec, H/K]
     out = apply_moves(out, plan.out_moves)  # f[*out / out_spec, H']
     residuals = (*bags.operands(), *((winners,) if winners is not None else ()))
-    return out, residuals, overflow
+    return out, residuals, overflow, counts  # counts: i32[1, 2], this device's
 
 
 def _ops_by_name(plan: EmbeddingPlan):
@@ -348,24 +358,24 @@ def residual_specs(plan: EmbeddingPlan) -> tuple[P, ...]:
 
 def _forward(plan: EmbeddingPlan, mesh: Any, operands, table):
     in_specs = (*(op.given for op in plan.operands), plan.weight_spec)
-    out_specs = (plan.out_spec, residual_specs(plan), P())
+    out_specs = (plan.out_spec, residual_specs(plan), P(), counts_spec(plan))
     body = shard_map(_forward_body, plan, mesh, in_specs, out_specs)
     return body(*operands, table)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _bag(plan: EmbeddingPlan, mesh: Any, operands: tuple, table: jax.Array):
-    out, _, overflow = _forward(plan, mesh, operands, table)
-    return out, overflow
+    out, _, overflow, counts = _forward(plan, mesh, operands, table)
+    return out, overflow, counts
 
 
 def _bag_fwd(plan, mesh, operands, table):
-    out, residuals, overflow = _forward(plan, mesh, operands, table)
-    return (out, overflow), (*residuals, overflow)
+    out, residuals, overflow, counts = _forward(plan, mesh, operands, table)
+    return (out, overflow, counts), (*residuals, overflow)
 
 
 def _bag_bwd(plan, mesh, residuals, cotangents):
-    out_grad, _ = cotangents
+    out_grad, _, _ = cotangents
     ct_spec = cotangent_spec(plan)
     out_grad = move(out_grad, mesh, ct_spec)
     in_specs = (*residual_specs(plan), P(), ct_spec)
@@ -375,7 +385,19 @@ def _bag_bwd(plan, mesh, residuals, cotangents):
 
 
 _bag.defvjp(_bag_fwd, _bag_bwd)
-_bag_jit = jax.jit(_bag, static_argnums=(0, 1))  # an eager call: one compiled program
+
+
+def _run(plan: EmbeddingPlan, mesh: Any, operands: tuple, table: jax.Array):
+    """`_bag` with its operands typed as the plan's specs and its output as the caller's
+    (free: they differ only by axes of size 1; see `jaxembed.kernels.lookup._run`)."""
+    operands = tuple(
+        conform(a, mesh, op.given) for a, op in zip(operands, plan.operands, strict=True)
+    )
+    out, overflow, counts = _bag(plan, mesh, operands, conform(table, mesh, plan.weight_spec))
+    return retype(out, plan.out_type_spec), overflow, counts
+
+
+_run_jit = jax.jit(_run, static_argnums=(0, 1))  # an eager call: one compiled program
 
 
 # One device: the bodies run as they are (no collective to run, no shard_map needed), so
@@ -386,7 +408,7 @@ def _local_bag(plan: EmbeddingPlan, operands: tuple, table: jax.Array):
 
 
 def _local_bag_fwd(plan, operands, table):
-    out, residuals, overflow = _forward_body(plan, *operands, table)
+    out, residuals, overflow, _ = _forward_body(plan, *operands, table)
     return out, (*residuals, overflow)
 
 
@@ -581,12 +603,15 @@ def run_embedding_bag(bags: Bags, weight: jax.Array, options: LookupOptions) -> 
         weight = whole_on_one_device(weight)
         out = _one_device_bag(bags, batch, weight, options)
         out = batch_typed_like(out, given_ids, given_ids.ndim - 1)
-        return with_stats(out, options.return_stats)
+        valid = ragged.valid_slots(batch, plan_vocab, options.padding_idx)
+        return with_stats(out, options.return_stats, bags.ids, valid)
     weight_spec, x_spec = resolve_layouts(bags.ids, weight, mesh, **options.layout_kwargs())
     if weight_spec is None:
         validate_scalars(plan_vocab, options.padding_idx, weight.shape[0])
-        out = _dense_bag(bags.batch(), options.combiner, weight, plan_vocab, options.padding_idx)
-        return with_stats(out, options.return_stats)
+        batch = bags.batch()
+        out = _dense_bag(batch, options.combiner, weight, plan_vocab, options.padding_idx)
+        valid = ragged.valid_slots(batch, plan_vocab, options.padding_idx)
+        return with_stats(out, options.return_stats, bags.ids, valid)
     plan = plan_embedding_bag(
         mesh, bags.ids.shape, weight.shape,
         num_bags=None if bags.lengths is None else bags.lengths.shape[-1],
@@ -602,11 +627,11 @@ def run_embedding_bag(bags: Bags, weight: jax.Array, options: LookupOptions) -> 
         out = zeros_like_output(
             plan.out_shape, weight.dtype, mesh, plan.out_spec, weight, plan.weight_spec
         )
-        return with_stats(out, options.return_stats)
+        return with_stats(retype(out, plan.out_type_spec), options.return_stats, devices=mesh.size)
     operands = tuple(
         move(a, mesh, op.given) if not isinstance(a, jax.core.Tracer) else a
         for a, op in zip(bags.operands(), plan.operands, strict=True)
     )
-    run = _bag_jit if eager(operands, weight) else _bag
-    out, overflow = run(plan, mesh, operands, weight)
-    return (out, LookupStats(overflow)) if options.return_stats else out
+    run = _run_jit if eager(operands, weight) else _run
+    out, overflow, counts = run(plan, mesh, operands, weight)
+    return (out, stats_of(overflow, counts)) if options.return_stats else out

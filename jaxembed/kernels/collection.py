@@ -17,9 +17,13 @@ Per stack, the features whose inputs have the same form are one call of
 * `Ragged` inputs with the same lead shape: their values side by side, each followed by a
   "gap" bag over its unused slots (ids -1), so that each feature's bags read its own block.
 
-Each slot carries its feature's combiner as a per-id factor (`jaxembed.ragged.bag_scales`:
-w, w/Σw or w/√Σw²), so sum, mean and sqrtn features pool together as one weighted sum;
-max-pooled features make their own call. Ids are first mapped to their stack rows
+Where some feature of a call is mean- or sqrtn-pooled or carries per-id weights, each slot
+carries its feature's combiner as a per-id factor (`jaxembed.ragged.bag_scales`: w, w/Σw or
+w/√Σw²), so sum, mean and sqrtn features pool together as one weighted sum. A call of only
+unweighted sum (and unpooled) features passes no factors (`needs_factors`): they would be 1
+on every slot that reads a row and 0 on the empty ones, which already read nothing (id -1),
+and on a sharded batch their `[B, ΣL]` array would be gathered beside the ids.
+Max-pooled features make their own call. Ids are first mapped to their stack rows
 (`TablePlacement.stack_ids`); ids outside a table's vocabulary read nothing.
 
 **The ids' layout.** Read from the inputs where they carry it (concrete arrays, an Explicit
@@ -62,6 +66,7 @@ from jaxembed.kernels.arrays import (
     warn_once,
 )
 from jaxembed.kernels.bag import prepare_bags, run_embedding_bag
+from jaxembed.kernels.common import LookupStats
 from jaxembed.kernels.options import LookupOptions
 
 __all__ = [
@@ -72,6 +77,7 @@ __all__ = [
     "collection_update",
     "default_ids_spec",
     "groups_of",
+    "needs_factors",
 ]
 
 
@@ -82,7 +88,8 @@ class Group:
     stack: int
     kind: str  # "stacked" (ids [B, F, L]), "dense" (ids [B, ΣL_f], lengths [B, F]) or
     # "ragged" (values [*lead, N], lengths [*lead, B])
-    combiner: str  # "sum" (weighted: sum, mean, sqrtn, unpooled) or "max"
+    combiner: str  # "sum" (sum, mean, sqrtn, unpooled: a sum, weighted where
+    # `needs_factors`) or "max"
     features: tuple[str, ...]
 
 
@@ -227,13 +234,29 @@ def _stackable(layout: CollectionLayout, batch: Mapping[str, Any], names) -> boo
     return stacked_width([_as_input(n, batch[n])[1].shape[-1] for n in names]) is not None
 
 
+def needs_factors(layout: CollectionLayout, group: Group, batch: Mapping[str, Any]) -> bool:
+    """Whether a call passes per-slot factors: a summed call with a mean or sqrtn feature, or
+    a feature whose input carries per-id weights. Without them (only unweighted sum and
+    unpooled features, or max) it passes none: an unweighted sum's factor is 1 on the slots
+    that read a row and 0 on the others, whose ids (-1) already read nothing."""
+    if group.combiner != "sum":
+        return False
+    features = {f.name: f for f in layout.features}
+    return any(
+        features[n].combiner in ("mean", "sqrtn") or _as_input(n, batch[n])[3] is not None
+        for n in group.features
+    )
+
+
 def _operands(layout: CollectionLayout, group: Group, batch: Mapping[str, Any]):
-    """The flat-form operands of one call: ids, lengths, per-slot factors (or None), and how
-    to split its output `[*lead, B_total, dim]` back into features."""
+    """The flat-form operands of one call: ids, lengths, per-slot factors (None where the
+    call `needs_factors` none), and how to split its output `[*lead, B_total, dim]` back
+    into features."""
     stack = layout.stacks[group.stack]
     features = {f.name: f for f in layout.features}
     if group.kind == "stacked":
         return _stacked_operands(layout, group, batch)
+    scaled = needs_factors(layout, group, batch)
     ids, lengths, weights, pieces = [], [], [], []
     bag = 0
     for name in group.features:
@@ -260,7 +283,7 @@ def _operands(layout: CollectionLayout, group: Group, batch: Mapping[str, Any]):
             segments = ragged.segments_from_lengths(clamped, n)
             lens = jnp.concatenate([clamped, n - total], axis=-1)  # the gap bag last
             nbags = clamped.shape[-1] + 1
-        if group.combiner == "sum":
+        if scaled:
             scale = ragged.bag_scales(
                 valid, jnp.where(valid, segments, -1), w, nbags, f.combiner or "sum"
             )
@@ -282,10 +305,12 @@ def _operands(layout: CollectionLayout, group: Group, batch: Mapping[str, Any]):
 
 def _stacked_operands(layout: CollectionLayout, group: Group, batch: Mapping[str, Any]):
     """The dense-form operands of pooled dense features: ids `[B, F, L]` (each feature's
-    `[B, L_f]` padded with empty slots to L = max L_f), its factors, no lengths: bag `(b, f)`
-    is row `(b, f)`, so the call needs no segments made from lengths."""
+    `[B, L_f]` padded with empty slots to L = max L_f), its factors (None where the call
+    `needs_factors` none), no lengths: bag `(b, f)` is row `(b, f)`, so the call needs no
+    segments made from lengths."""
     stack = layout.stacks[group.stack]
     features = {f.name: f for f in layout.features}
+    scaled = needs_factors(layout, group, batch)
     width = max(_as_input(n, batch[n])[1].shape[-1] for n in group.features)
     ids, weights, pieces = [], [], []
     for index, name in enumerate(group.features):
@@ -293,7 +318,7 @@ def _stacked_operands(layout: CollectionLayout, group: Group, batch: Mapping[str
         _, values, _, w = _as_input(name, batch[name])
         gid = layout.placement(f.table).stack_ids(values, stack.local_rows)
         pad = [(0, 0)] * (gid.ndim - 1) + [(0, width - gid.shape[-1])]
-        if group.combiner == "sum":
+        if scaled:
             valid = gid >= 0
             scale = ragged.bag_scales(valid, jnp.where(valid, 0, -1), w, 1, f.combiner or "sum")
             weights.append(jnp.pad(scale, pad))
@@ -332,9 +357,11 @@ def collection_lookup(
     exchange: str = "auto",
     capacity_factor: float | None = None,
     impl: str = "auto",
-) -> dict[str, jax.Array]:
+    return_stats: bool = False,
+) -> Any:
     """Every feature's output: pooled `[B, dim]` (a `Ragged` input: `[*lead·B, dim]`) or
-    unpooled `[B, L, dim]`.
+    unpooled `[B, L, dim]`; with `return_stats`, also each stack's `LookupStats` (its calls'
+    counters summed), `(outputs, {stack name: stats})`.
 
     Args:
       layout: the collection's layout.
@@ -345,8 +372,11 @@ def collection_lookup(
       x_spec: the dense ids' layout where it cannot be read (e.g. `P("data")`).
       exchange, capacity_factor, impl: as in `jaxembed.embedding_bag`, for every call
         (`exchange` may be a mapping from stack index to exchange).
+      return_stats: also return each stack's `LookupStats`: the routed exchange's fallback
+        and every device's slots walked and rows read, summed over the stack's calls.
     """
     outputs: dict[str, jax.Array] = {}
+    stats: dict[str, LookupStats] = {}
     batch = checked_batch(layout, batch)  # other keys: not ours
     groups = groups_of(layout, batch)
     for name, value in batch.items():
@@ -363,11 +393,29 @@ def collection_lookup(
             capacity_factor=capacity_factor, impl=impl, combiner=group.combiner,
             check_ids=False, function="EmbeddingBagCollection", ids_advice=IDS_ADVICE,
         )  # fmt: skip
+        if return_stats:
+            options = dataclasses.replace(options, return_stats=True)
         bags = prepare_bags(ids, lengths, None, weights, False, check=False)
         out = run_embedding_bag(bags, table, options)
+        if return_stats:
+            out, call_stats = out
+            stats[stack.name] = _add_stats(stats.get(stack.name), call_stats)
         out = _to_batch_layout(out, stack, where, ids, ids_spec)
         outputs.update(_split(out, pieces, group.kind))
-    return {f.name: outputs[f.name] for f in layout.features}
+    outputs = {f.name: outputs[f.name] for f in layout.features}
+    return (outputs, stats) if return_stats else outputs
+
+
+def _add_stats(total: LookupStats | None, call: LookupStats) -> LookupStats:
+    """A stack's `LookupStats` over its calls: the counters add, a fallback of any counts."""
+    if total is None:
+        return call
+    if total.slots.shape != call.slots.shape:  # one call ran on one device, one did not
+        return total._replace(routed_fallback=total.routed_fallback | call.routed_fallback)
+    return LookupStats(
+        total.routed_fallback | call.routed_fallback,
+        total.slots + call.slots, total.rows + call.rows,
+    )  # fmt: skip
 
 
 IDS_ADVICE = "pass x_sharding=PartitionSpec(...) to the EmbeddingBagCollection"

@@ -9,12 +9,14 @@ take these from here, by their public names:
 * layouts: `resolve_layouts` (read, checked, or assumed), `companion_spec` (a bag's lengths
   and weights), `cotangent_spec`;
 * checks: `check_table`, `validate_scalars`, `runs_on_one_device`;
-* results: `LookupStats`, `with_stats`.
+* results: `LookupStats`, `with_stats`, and the sharded lookups' counters (`work_counts`,
+  `counts_spec`, `stats_of`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -37,14 +39,17 @@ __all__ = [
     "check_table",
     "companion_spec",
     "cotangent_spec",
+    "counts_spec",
     "finish_gradient",
     "out_grad_to_body",
     "reduce_over_rows",
     "resolve_layouts",
     "runs_on_one_device",
     "shard_map",
+    "stats_of",
     "validate_scalars",
     "with_stats",
+    "work_counts",
 ]
 
 
@@ -238,11 +243,61 @@ class LookupStats(NamedTuple):
       routed_fallback: int32[], 1 when some bucket of the routed exchange overflowed its
         capacity in this step and the exact gather exchange ran instead (0 otherwise, and
         always 0 for the other exchanges). Sum it over steps to count the fallbacks.
+      slots: int32[devices], the id slots each device's lookup pooled (walked) in this step,
+        in the mesh's device order: the gather exchange, every slot gathered to it (the
+        group's whole batch); the routed one, its own slots.
+      rows: int32[devices], the rows each device read from its table shard: the gather
+        exchange, one per slot it owns; the routed one, one per distinct id a source sent.
     """
 
     routed_fallback: jax.Array
+    slots: jax.Array
+    rows: jax.Array
 
 
-def with_stats(out: jax.Array, return_stats: bool):
-    """`out`, and a `LookupStats` of a lookup that cannot fall back (with `return_stats`)."""
-    return (out, LookupStats(jnp.zeros((), jnp.int32))) if return_stats else out
+def work_counts(plan: EmbeddingPlan, slots: Any, rows: jax.Array) -> jax.Array:
+    """One device's `(slots walked, rows read)` as int32[1, 2], varying over every mesh
+    axis (its out_spec: `counts_spec(plan)`): the `LookupStats` counters."""
+    counts = jnp.stack([jnp.asarray(slots, jnp.int32), jnp.asarray(rows, jnp.int32)])[None]
+    axis_type = getattr(jax.typeof(counts), "manual_axis_type", None)
+    varying = frozenset(axis_type.varying) if axis_type is not None else frozenset()
+    missing = tuple(a for a in plan.mesh_names if a not in varying)
+    if not missing or not _bound(plan.mesh_names):  # a one-device body run without shard_map
+        return counts
+    return jax.lax.pcast(counts, missing, to="varying")
+
+
+def _bound(names: tuple[str, ...]) -> bool:
+    """Whether the mesh axes `names` are bound here (inside a `shard_map` over them)."""
+    try:
+        for name in names:
+            jax.lax.axis_size(name)
+    except NameError:
+        return False
+    return True
+
+
+def counts_spec(plan: EmbeddingPlan) -> P:
+    """The layout of the counters: one row per device, in the mesh's order."""
+    return P(plan.mesh_names, None)
+
+
+def stats_of(overflow: jax.Array, counts: jax.Array) -> LookupStats:
+    """The `LookupStats` of a sharded lookup: its fallback flag and counters `[devices, 2]`."""
+    return LookupStats(overflow, counts[:, 0], counts[:, 1])
+
+
+def with_stats(out: jax.Array, return_stats: bool, ids: Any = None, valid: Any = None, *,
+               devices: int = 1):  # fmt: skip
+    """`out`, and the `LookupStats` of a lookup that cannot fall back (with `return_stats`):
+    one device (or XLA's own lookup, counted as one) walks every slot of `ids` and reads a
+    row for each of `valid`; `devices` zeros for a batch of no slot."""
+    if not return_stats:
+        return out
+    n = 0 if ids is None else math.prod(jnp.shape(ids))
+    slots = jnp.full((devices,), n if devices == 1 else 0, jnp.int32)
+    if valid is None or devices != 1:
+        rows = jnp.zeros((devices,), jnp.int32)
+    else:
+        rows = jnp.sum(valid, dtype=jnp.int32)[None]
+    return out, LookupStats(jnp.zeros((), jnp.int32), slots, rows)

@@ -10,6 +10,9 @@ Row sharding. A table split over R mesh axes (n shards) holds, on shard s:
 * `"block"`: ids `[s·V/n, (s+1)·V/n)`, id i at local row `i - s·V/n`;
 * `"mod"`: ids with `i mod n = s`, id i at local row `i div n` (hot ids of a skewed
   vocabulary spread over every shard).
+
+`bucket_ids` is the routed exchange's bucketing of a device's ids by owner
+(`jaxembed.kernels.routed.bucketize`): a comparison sort by (owner, id) here.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import jax.numpy as jnp
 
 __all__ = [
     "bag_scatter_add",
+    "bucket_ids",
     "gather_rows",
     "local_rows",
     "owner_of",
@@ -183,3 +187,52 @@ def bag_scatter_add(
       f32[V_local, H].
     """
     return scatter_add(shape, local, valid, scaled_bag_grads(segments, scale, out_grad))
+
+
+def bucket_ids(
+    dest: jax.Array, key: jax.Array, num_buckets: int, capacity: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each bucket's distinct ids, ascending, and each slot's place among them.
+
+    The sort + dedup of the routed exchange (`jaxembed.kernels.routed.bucketize`): one XLA
+    comparison sort of the slots by `(dest, key)`, O(M log M); the native twin
+    (`jaxembed.kernels.native.bucket_ids`) gives the same results, bitwise, without one.
+
+    Args:
+      dest: i32[M] each slot's bucket in `[0, num_buckets]` (`num_buckets`: the slot reads no
+        row; such slots are ranked among themselves like any bucket's, and never sent).
+      key: i32[M] each slot's id.
+      num_buckets: n, the buckets (owners).
+      capacity: C, the places per bucket.
+
+    Returns:
+      `(send, pos, overflow)`: i32[n, C] each bucket's distinct ids in ascending order (-1: an
+      empty place); i32[M] the rank of each slot's id among its bucket's distinct ids (>= C:
+      it did not fit); bool[] whether some bucket `b < n` holds more than C distinct ids.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> send, pos, over = bucket_ids(jnp.array([1, 0, 1, 2, 1]), jnp.array([9, 4, 3, 0, 9]),
+      ...                              num_buckets=2, capacity=2)
+      >>> send.tolist(), pos.tolist(), bool(over)
+      ([[4, -1], [3, 9]], [1, 0, 0, 0, 1], False)
+    """
+    n, c = int(num_buckets), int(capacity)
+    m = dest.shape[0]
+    dest, key = dest.astype(jnp.int32), key.astype(jnp.int32)
+    slot = jnp.arange(m, dtype=jnp.int32)
+    sorted_dest, sorted_key, order = jax.lax.sort((dest, key, slot), num_keys=2)
+    changed = (sorted_dest[1:] != sorted_dest[:-1]) | (sorted_key[1:] != sorted_key[:-1])
+    new = jnp.concatenate([jnp.ones((min(m, 1),), bool), changed])
+    rank = jnp.cumsum(new.astype(jnp.int32)) - 1  # distinct id number, in sorted order
+    distinct = jax.ops.segment_sum(new.astype(jnp.int32), sorted_dest, num_segments=n + 1)
+    start = jnp.cumsum(distinct) - distinct  # each bucket's first distinct number
+    sorted_pos = rank - start[sorted_dest]
+    pos = jnp.zeros((m,), jnp.int32).at[order].set(sorted_pos, unique_indices=True)
+    keep = new & (sorted_dest < n) & (sorted_pos < c)
+    send = (
+        jnp.full((n, c), -1, jnp.int32)
+        .at[jnp.where(keep, sorted_dest, n), jnp.where(keep, sorted_pos, c)]
+        .set(sorted_key, mode="drop")
+    )
+    return send, pos, jnp.any(distinct[:n] > c)

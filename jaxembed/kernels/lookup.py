@@ -27,9 +27,11 @@ from jaxembed.kernels import local as local_ops
 from jaxembed.kernels import routed as routed_ops
 from jaxembed.kernels.arrays import (
     batch_typed_like,
+    conform,
     eager,
     move,
     resolve_mesh,
+    retype,
     whole_on_one_device,
     zeros_like_output,
 )
@@ -37,13 +39,16 @@ from jaxembed.kernels.common import LookupStats as LookupStats
 from jaxembed.kernels.common import (
     check_table,
     cotangent_spec,
+    counts_spec,
     finish_gradient,
     out_grad_to_body,
     reduce_over_rows,
     runs_on_one_device,
     shard_map,
+    stats_of,
     validate_scalars,
     with_stats,
+    work_counts,
 )
 from jaxembed.kernels.common import resolve_layouts as resolve_layouts
 from jaxembed.kernels.options import LookupOptions
@@ -59,11 +64,13 @@ __all__ = ["LookupStats", "check_ids", "embedding", "lookup", "resolve_layouts",
 # --- the lookup's bodies -----------------------------------------------------------------------
 
 
-def _gathered_lookup(plan: EmbeddingPlan, ids: jax.Array, table: jax.Array) -> jax.Array:
+def _gathered_lookup(plan: EmbeddingPlan, ids: jax.Array, table: jax.Array):
+    """`(out, counts)`: the gather exchange's lookup of `ids`, reduced over R."""
     local, valid = local_ops.local_rows(plan, ids)
     gathered = kernels_for(plan).gather_rows(table, local.reshape(-1), valid.reshape(-1))
     out = gathered.reshape(*ids.shape, table.shape[1])  # f[*batch / ids_spec, H/K], partial / R
-    return reduce_over_rows(plan, out)  # f[*batch / body_out_spec, H/K]
+    counts = work_counts(plan, ids.size, jnp.sum(valid))
+    return reduce_over_rows(plan, out), counts  # f[*batch / body_out_spec, H/K]
 
 
 def _forward_body(plan: EmbeddingPlan, x: jax.Array, table: jax.Array):
@@ -77,18 +84,20 @@ def _forward_body(plan: EmbeddingPlan, x: jax.Array, table: jax.Array):
         overflow = routed_ops.overflowed(buckets, plan.mesh_names)
 
         def routed(_):
-            rows = routed_ops.route_rows(plan, table, buckets)  # f[M, H/K], complete
-            return rows.reshape(*ids.shape, rows.shape[-1])
+            rows, reads = routed_ops.route_rows(plan, table, buckets, count=True)  # f[M, H/K]
+            counts = work_counts(plan, flat.size, reads)  # my own slots
+            return rows.reshape(*ids.shape, rows.shape[-1]), counts
 
         def fallback(_):  # the gather exchange: gather ids over S, psum_scatter back
             whole = gather(ids, plan.routed.axes, plan.routed.dim)
             return _gathered_lookup(plan, whole, table)
 
-        out = jax.lax.cond(overflow, fallback, routed, None)
+        out, counts = jax.lax.cond(overflow, fallback, routed, None)
         overflow = overflow.astype(jnp.int32)
     else:
-        out = _gathered_lookup(plan, ids, table)
-    return apply_moves(out, plan.out_moves), ids, overflow  # f[*batch / out_spec, H']
+        out, counts = _gathered_lookup(plan, ids, table)
+    # out: f[*batch / out_spec, H'] after the moves; counts: i32[1, 2], this device's
+    return apply_moves(out, plan.out_moves), ids, overflow, counts
 
 
 def _scatter_gradient(plan, ids, out_grad):
@@ -130,24 +139,24 @@ def _backward_body(plan: EmbeddingPlan, ids, overflow, out_grad: jax.Array) -> j
 
 
 def _forward(plan: EmbeddingPlan, mesh: Any, x: jax.Array, table: jax.Array):
-    out_specs = (plan.out_spec, plan.ids_spec, P())
+    out_specs = (plan.out_spec, plan.ids_spec, P(), counts_spec(plan))
     body = shard_map(_forward_body, plan, mesh, (plan.x_spec, plan.weight_spec), out_specs)
     return body(x, table)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _lookup(plan: EmbeddingPlan, mesh: Any, x: jax.Array, table: jax.Array):
-    out, _, overflow = _forward(plan, mesh, x, table)
-    return out, overflow
+    out, _, overflow, counts = _forward(plan, mesh, x, table)
+    return out, overflow, counts
 
 
 def _lookup_fwd(plan, mesh, x, table):
-    out, ids, overflow = _forward(plan, mesh, x, table)
-    return (out, overflow), (ids, overflow)
+    out, ids, overflow, counts = _forward(plan, mesh, x, table)
+    return (out, overflow, counts), (ids, overflow)
 
 
 def _lookup_bwd(plan, mesh, residuals, cotangents):
-    (ids, overflow), (out_grad, _) = residuals, cotangents
+    (ids, overflow), (out_grad, _, _) = residuals, cotangents
     ct_spec = cotangent_spec(plan)
     out_grad = move(out_grad, mesh, ct_spec)  # a no-op: it arrives in the output's layout
     in_specs = (plan.ids_spec, P(), ct_spec)
@@ -156,7 +165,18 @@ def _lookup_bwd(plan, mesh, residuals, cotangents):
 
 
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)
-_lookup_jit = jax.jit(_lookup, static_argnums=(0, 1))  # an eager call: one compiled program
+
+
+def _run(plan: EmbeddingPlan, mesh: Any, x: jax.Array, table: jax.Array):
+    """`_lookup` with its operands typed as the plan's specs and its output as the caller's
+    (`conform`, `retype`: free, they differ only by axes of size 1; the table's gradient
+    comes back in its own type through the `reshard`'s transpose)."""
+    x, table = conform(x, mesh, plan.x_spec), conform(table, mesh, plan.weight_spec)
+    out, overflow, counts = _lookup(plan, mesh, x, table)
+    return retype(out, plan.out_type_spec), overflow, counts
+
+
+_run_jit = jax.jit(_run, static_argnums=(0, 1))  # an eager call: one compiled program
 
 
 # --- the public entry point ----------------------------------------------------------------
@@ -260,7 +280,8 @@ def embedding(
       capacity, capacity_factor: the routed exchange's C (distinct ids per device and
         owner per step), or its factor over the uniform expectation μ = M / n (default:
         μ + 4√μ + 1, see `jaxembed.plan.routed.capacity_for`).
-      return_stats: also return a `LookupStats` (whether the routed exchange fell back).
+      return_stats: also return a `LookupStats` (whether the routed exchange fell back, and
+        each device's slots walked and rows read).
       impl: the shard-local kernels: `"auto"` (jaxembed's native CPU kernels on CPU when they
         can be built, else XLA), `"xla"` or `"native"`; the collectives are the same.
 
@@ -349,12 +370,14 @@ def run_lookup(x: jax.Array, weight: jax.Array, options: LookupOptions) -> Any:
         x, weight = whole_on_one_device(x), whole_on_one_device(weight)
         out = dense_lookup(x, weight, plan_vocab, options.padding_idx)
         out = batch_typed_like(out, given, given.ndim)
-        return with_stats(out, options.return_stats)
+        valid = local_ops.reads_a_row(x, plan_vocab, options.padding_idx)
+        return with_stats(out, options.return_stats, x, valid)
     weight_spec, x_spec = resolve_layouts(x, weight, mesh, **options.layout_kwargs())
     if weight_spec is None:  # the table's layout is unknown: XLA's lookup, never a gather
         validate_scalars(plan_vocab, options.padding_idx, weight.shape[0])
         out = dense_lookup(x, weight, plan_vocab, options.padding_idx)
-        return with_stats(out, options.return_stats)
+        valid = local_ops.reads_a_row(x, plan_vocab, options.padding_idx)
+        return with_stats(out, options.return_stats, x, valid)
     plan = plan_embedding(
         mesh, x.shape, weight.shape, x_spec=x_spec, weight_spec=weight_spec,
         out_spec=options.out_spec, dtype=weight.dtype, ids_dtype=x.dtype,
@@ -365,9 +388,9 @@ def run_lookup(x: jax.Array, weight: jax.Array, options: LookupOptions) -> Any:
         out = zeros_like_output(
             plan.out_shape, weight.dtype, mesh, plan.out_spec, weight, plan.weight_spec
         )
-        return with_stats(out, options.return_stats)
+        return with_stats(retype(out, plan.out_type_spec), options.return_stats, devices=mesh.size)
     if not isinstance(x, jax.core.Tracer):
         x = move(x, mesh, plan.x_spec)  # a concrete array is put where x_spec says
-    run = _lookup_jit if eager(x, weight) else _lookup
-    out, overflow = run(plan, mesh, x, weight)
-    return (out, LookupStats(overflow)) if options.return_stats else out
+    run = _run_jit if eager(x, weight) else _run
+    out, overflow, counts = run(plan, mesh, x, weight)
+    return (out, stats_of(overflow, counts)) if options.return_stats else out

@@ -13,6 +13,7 @@ either; the collectives stay in JAX.
     scatter_add                 local.scatter_add
     bag_scatter_add             local.bag_scatter_add (local.scatter_add of bag slot grads)
     dedup_rows                  sparse.dedup_rows
+    bucket_ids                  local.bucket_ids (the routed exchange's bucketing by owner)
     apply_rows                  sparse.apply_rows (hidden_axes=() only)
     bag_apply_rows              sparse.bag_apply_rows (sparse.apply_rows of bag slot grads)
 
@@ -68,6 +69,7 @@ __all__ = [
     "available",
     "bag_apply_rows",
     "bag_scatter_add",
+    "bucket_ids",
     "dedup_rows",
     "gather_rows",
     "num_threads",
@@ -286,7 +288,7 @@ def bag_scatter_add(
     return _call("jaxembed_bag_scatter_add", out, *args, out_grad, num_threads=threads)
 
 
-# --- dedup and the row-sparse update -----------------------------------------------------------
+# --- dedup --------------------------------------------------------------------------------------
 
 
 def dedup_rows(local: jax.Array, valid: jax.Array, num_rows: int) -> tuple[jax.Array, jax.Array]:
@@ -299,6 +301,55 @@ def dedup_rows(local: jax.Array, valid: jax.Array, num_rows: int) -> tuple[jax.A
     unique, which = _call("jaxembed_dedup_rows", out, flat_local, flat_valid,
                           num_rows=np.int64(num_rows), num_threads=threads)  # fmt: skip
     return unique, which
+
+
+# --- the routed exchange's bucketing -----------------------------------------------------------
+
+
+def bucket_ids(
+    dest: jax.Array, key: jax.Array, num_buckets: int, capacity: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`jaxembed.kernels.local.bucket_ids` (same arguments, same results, bitwise) without a
+    comparison sort of the slots.
+
+    A stable counting sort of the slots by bucket, O(M); then each bucket, on one thread, numbers
+    its distinct ids with an open-addressing hash (first occurrence, O(its slots)), sorts only
+    those distinct ids (an LSD radix over their span, at most 3 passes of 11 bits; `std::sort`
+    when fewer than 128) and gives each slot its id's rank. O(M + D) in all, D the distinct
+    (bucket, id) pairs; the buckets are spread over `num_threads()` threads. Slots of bucket
+    `num_buckets` are ranked as the XLA twin ranks them (never sent, never an overflow).
+
+    Args:
+      dest: i32[M] each slot's bucket in `[0, num_buckets]` (outside it: the call fails with
+        an error naming the slot).
+      key: i32[M] each slot's id.
+      num_buckets: n; capacity: C.
+
+    Returns:
+      `(send, pos, overflow)`: i32[n, C], i32[M], bool[] as the XLA twin.
+    """
+    threads = _require("bucket_ids")
+    if dest.ndim != 1 or key.shape != dest.shape:
+        raise ValueError(
+            f"bucket_ids: dest {dest.shape} and key {key.shape} must be one 1-D shape [M] "
+            "(flatten the slots first)"
+        )
+    n, c = int(num_buckets), int(capacity)
+    if n < 1 or c < 1:
+        raise ValueError(f"bucket_ids: num_buckets={n} and capacity={c} must be positive")
+    m = dest.shape[0]
+    out = (
+        jax.ShapeDtypeStruct((n, c), jnp.int32),
+        jax.ShapeDtypeStruct((m,), jnp.int32),
+        jax.ShapeDtypeStruct((), jnp.bool_),
+    )
+    send, pos, overflow = _call("jaxembed_bucket_ids", out, dest.astype(jnp.int32),
+                                key.astype(jnp.int32), num_buckets=np.int64(n),
+                                capacity=np.int64(c), num_threads=threads)  # fmt: skip
+    return send, pos, overflow
+
+
+# --- the row-sparse update ---------------------------------------------------------------------
 
 
 def _update_attrs(formula: Any, hidden_size: int, threads: np.int64) -> dict[str, Any]:

@@ -3,11 +3,17 @@
 On every device, for its M id slots (`jaxembed.plan.routed` has the plan):
 
     owner of each id over S          dest: i32[M]   (n_S: the id reads no row)
-    sort by (owner, id), dedup       pos: i32[M]    each slot's distinct id's place in its bucket
+    bucket by owner, dedup, sort     pos: i32[M]    each slot's distinct id's place in its bucket
     send[owner, pos] = id            send: i32[n_S, C]   (-1: empty)
     all_to_all over S                -> the owners; they look their rows up (partial over the
                                         table's other row axes: psum), and all_to_all back
     out[slot] = back[dest, pos]
+
+Each bucket holds its distinct ids in ascending order. The bucketing is `bucket_ids` of the
+plan's kernels (`kernels_for(plan)`): `jaxembed.kernels.local`'s is one XLA comparison sort of
+the slots by (owner, id), O(M log M), the reference and the GPU/TPU path; with
+`plan.impl == "native"` it is `jaxembed.kernels.native`'s, a counting sort by owner and a hash
+dedup per bucket, O(M + distinct ids), with the same results bit for bit.
 
 The backward sums each distinct id's gradient in the same buckets and sends it to the owner.
 Whether any bucket of any device overflowed its capacity C is one all-reduced flag; a step
@@ -71,6 +77,9 @@ def _owner_coordinate(plan: EmbeddingPlan, ids: jax.Array) -> jax.Array:
 def bucketize(plan: EmbeddingPlan, ids: jax.Array, valid: jax.Array) -> Buckets:
     """Buckets a device's ids by owner and removes duplicates in each bucket.
 
+    The owners are computed here; the sort + dedup is `bucket_ids` of the plan's kernels
+    (`kernels_for(plan)`: XLA's comparison sort, or the native counting sort + hash).
+
     Args:
       plan: a plan whose exchange is routed.
       ids: i32[M] the device's ids (flattened).
@@ -80,25 +89,9 @@ def bucketize(plan: EmbeddingPlan, ids: jax.Array, valid: jax.Array) -> Buckets:
       The `Buckets`.
     """
     n, c = plan.routed.num_buckets, plan.routed.capacity
-    m = ids.shape[0]
-    dest = jnp.where(valid, _owner_coordinate(plan, ids), n).astype(jnp.int32)
-    key = jnp.where(valid, ids, 0).astype(jnp.int32)
-    slot = jnp.arange(m, dtype=jnp.int32)
-    sorted_dest, sorted_key, order = jax.lax.sort((dest, key, slot), num_keys=2)
-    changed = (sorted_dest[1:] != sorted_dest[:-1]) | (sorted_key[1:] != sorted_key[:-1])
-    new = jnp.concatenate([jnp.ones((1,), bool), changed])
-    rank = jnp.cumsum(new.astype(jnp.int32)) - 1  # distinct id number, in sorted order
-    distinct = jax.ops.segment_sum(new.astype(jnp.int32), sorted_dest, num_segments=n + 1)
-    start = jnp.cumsum(distinct) - distinct  # each bucket's first distinct number
-    sorted_pos = rank - start[sorted_dest]
-    pos = jnp.zeros((m,), jnp.int32).at[order].set(sorted_pos, unique_indices=True)
-    keep = new & (sorted_dest < n) & (sorted_pos < c)
-    send = (
-        jnp.full((n, c), -1, jnp.int32)
-        .at[jnp.where(keep, sorted_dest, n), jnp.where(keep, sorted_pos, c)]
-        .set(sorted_key, mode="drop")
-    )
-    overflow = jnp.any(distinct[:n] > c)
+    dest = jnp.where(valid, _owner_coordinate(plan, ids), n).astype(jnp.int32)  # i32[M]
+    key = jnp.where(valid, ids, 0).astype(jnp.int32)  # i32[M]
+    send, pos, overflow = kernels_for(plan).bucket_ids(dest, key, n, c)  # i32[n_S, C], i32[M]
     return Buckets(send, dest, pos, overflow)
 
 
@@ -118,22 +111,23 @@ def _to_owners(plan: EmbeddingPlan, x: jax.Array) -> jax.Array:
     return jax.lax.all_to_all(x, plan.routed.axes, 0, 0, tiled=True)
 
 
-def route_rows(plan: EmbeddingPlan, table: jax.Array, buckets: Buckets) -> jax.Array:
-    """Each slot's row, fetched from its owner: f[M, H/K] (zero for slots that read none)."""
+def route_rows(plan: EmbeddingPlan, table: jax.Array, buckets: Buckets, *, count: bool = False):
+    """Each slot's row, fetched from its owner: f[M, H/K] (zero for slots that read none);
+    with `count`, `(rows, reads)`: also the rows this device read for its sources, i32[]."""
     recv = _to_owners(plan, buckets.send)  # i32[n_S, C] ids from each source
     local, valid = local_ops.local_rows(plan, recv)
     n, c = recv.shape
+    reads = valid & (recv >= 0)
     rows = (
-        kernels_for(plan)
-        .gather_rows(table, local.reshape(-1), (valid & (recv >= 0)).reshape(-1))
-        .reshape(n, c, -1)
+        kernels_for(plan).gather_rows(table, local.reshape(-1), reads.reshape(-1)).reshape(n, c, -1)
     )  # f[n_S, C, H/K]
     if plan.routed.rest_axes:
         rows = jax.lax.psum(rows, plan.routed.rest_axes)  # the owners' other row shards
     back = _to_owners(plan, rows)  # f[n_S, C, H/K]: my ids' rows, by bucket and place
     fits = buckets.fits()
     got = back[jnp.where(fits, buckets.dest, 0), jnp.where(fits, buckets.pos, 0)]
-    return jnp.where(fits[:, None], got, jnp.zeros((), got.dtype))
+    out = jnp.where(fits[:, None], got, jnp.zeros((), got.dtype))
+    return (out, jnp.sum(reads, dtype=jnp.int32)) if count else out
 
 
 def route_grads(

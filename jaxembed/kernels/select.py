@@ -2,8 +2,9 @@
 
 The plan decides (`plan.impl`, see `jaxembed.plan.impl`); the bodies ask here which module's
 functions to call. `jaxembed.kernels.native` has the same function names and signatures as
-`jaxembed.kernels.local` (gather, pool, scatter) and `jaxembed.kernels.sparse` (dedup, the
-row-sparse update), so a body calls `kernels_for(plan).gather_rows(...)` either way.
+`jaxembed.kernels.local` (gather, pool, scatter, the routed exchange's `bucket_ids`) and
+`jaxembed.kernels.sparse` (dedup, the row-sparse update), so a body calls
+`kernels_for(plan).gather_rows(...)` either way.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ __all__ = ["kernels_for", "native_update"]
 
 
 def kernels_for(plan: Any) -> ModuleType:
-    """The module whose `gather_rows`, `pool_sum`, `pool_max` and `scatter_add` the plan runs:
-    `jaxembed.kernels.local` (XLA), or `jaxembed.kernels.native` (its C++ twins) when
-    `plan.impl` says so."""
+    """The module whose `gather_rows`, `pool_sum`, `pool_max`, `scatter_add` and `bucket_ids`
+    the plan runs: `jaxembed.kernels.local` (XLA), or `jaxembed.kernels.native` (its C++
+    twins) when `plan.impl` says so."""
     return native if getattr(plan, "impl", "xla") == "native" else local
 
 

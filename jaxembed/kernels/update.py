@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxembed.kernels import local as local_ops
 from jaxembed.kernels import routed as routed_ops
+from jaxembed.kernels.arrays import conform, retype
 from jaxembed.kernels.bag import exchanged_slot_grads, moved_bags, pool
 from jaxembed.kernels.common import out_grad_to_body
 from jaxembed.kernels.reshard import apply_moves, gather
@@ -149,7 +150,23 @@ def sparse_update(
         out_specs=((plan.weight_spec, slot_specs), P()),
         check_vma=True,
     )
-    return body(table, *slots, count, *operands, out_grad)
+    # The plan names no axis of size 1; the arrays' Explicit types may (free either way).
+    given = (table, *slots, count, *operands, out_grad)
+    (new_table, new_slots), overflow = body(
+        *(conform(a, mesh, spec) for a, spec in zip(given, in_specs, strict=True))
+    )
+    new_table = retype(new_table, _type_spec(table))
+    new_slots = tuple(retype(n, _type_spec(o)) for n, o in zip(new_slots, slots, strict=True))
+    return (new_table, new_slots), overflow
+
+
+def _type_spec(a: jax.Array) -> Any:
+    """`a`'s Explicit type's spec, or None where its type names no layout."""
+    typed = jax.typeof(a).sharding
+    mesh = getattr(typed, "mesh", None)
+    if mesh is None or mesh.empty:
+        return None
+    return typed.spec
 
 
 def after(x: Any, *reads: Any) -> Any:

@@ -5,8 +5,10 @@ and combiner (max-pooled features apart), exactly as `jaxembed.kernels.collectio
 pooled features of similar widths stacked `[batch, F, max_ids]` (the dense form), others'
 dense ids side by side, `[batch, Σ max_ids]`, one bag per pooled feature and one per slot of
 an unpooled one, lengths made on the device (replicated); weighted (the combiners' per-slot
-factors). Each call is planned with `plan_embedding_bag(..., update=True)`
-once per exchange that applies, and per device:
+factors, gathered beside the ids) only where some feature of the call is mean- or
+sqrtn-pooled or says its input carries per-id weights (`FeatureConfig.weighted`), as the
+lookup passes them (`jaxembed.kernels.collection.needs_factors`). Each call is planned with
+`plan_embedding_bag(..., update=True)` once per exchange that applies, and per device:
 
     time   = Σ calls  the plan's modelled ms of the cheapest exchange (lookup and backward:
                       wire bytes / link + rows touched · row bytes / memory + latency per
@@ -141,11 +143,18 @@ def _update_extra(ctx: Context, p: EmbeddingPlan) -> tuple[float, int]:
 _OPERANDS = ("ids", "lengths", "weights")
 
 
-def _options(ctx: Context, x_shape, stack: Stack, num_bags: int, combiner: str, dense: bool):
-    key = (x_shape, stack.shape, stack.spec, num_bags, combiner, stack.dtype, dense)
+def _weighted(combiner: str, group: Sequence[FeatureConfig]) -> bool:
+    """Whether a call of `group` passes per-slot factors, as the lookup decides it
+    (`needs_factors`): a summed call with a mean or sqrtn feature or a weighted input."""
+    return combiner == "sum" and any(f.combiner in ("mean", "sqrtn") or f.weighted for f in group)
+
+
+def _options(
+    ctx: Context, x_shape, stack: Stack, num_bags: int, combiner: str, dense: bool, weighted: bool
+):
+    key = (x_shape, stack.shape, stack.spec, num_bags, combiner, stack.dtype, dense, weighted)
     if key in ctx.plans:
         return ctx.plans[key]
-    weighted = combiner == "sum"
 
     def plan(exchange):
         return plan_embedding_bag(
@@ -181,8 +190,9 @@ class CallCost:
 
     Attributes:
       stack, stack_name: the stack's index and name.
-      features: the features it reads; combiner: `"sum"` (sum, mean, sqrtn, unpooled:
-        weighted) or `"max"`.
+      features: the features it reads; combiner: `"sum"` (sum, mean, sqrtn, unpooled) or
+        `"max"`; the call is weighted (`plan.bag.weighted`: per-slot factors move with the
+        ids) where a feature is mean- or sqrtn-pooled or `FeatureConfig.weighted`.
       x_shape, num_bags: the call's ids (`[batch, F, max_ids]` stacked, or `[batch, Σ
         max_ids]`) and its bags per example.
       exchange: the chosen exchange; plan: its `EmbeddingPlan` (the lookup's own output
@@ -282,14 +292,23 @@ def _shares(ctx: Context, t: TableConfig, layout: CollectionLayout, stack: Stack
     return out
 
 
-def _held_rows(layout: CollectionLayout, t: TableConfig, stack: Stack, shard: int) -> int:
+def _held_rows(layout: CollectionLayout, t: TableConfig, stack: Stack, shards) -> np.ndarray:
+    """The rows of `t` that each of `shards` (row shard indices, one per device) holds; one
+    array operation, so a 512-device mesh prices as fast as an 8-device one."""
     p = layout.placement(t.name)
-    if shard not in p.shards and stack.row_axes:
-        return 0
-    j, k = (p.shards.index(shard) if stack.row_axes else 0), len(p.shards)
+    shards = np.asarray(shards)
+    k = len(p.shards)
+    if stack.row_axes:
+        position = np.full(max(stack.num_shards, 1), -1)
+        position[list(p.shards)] = np.arange(k)
+        j = position[shards]  # the shard's place among the table's shards; -1: none of them
+    else:
+        j = np.zeros(shards.shape, int)
     if p.row_sharding == "mod" and k > 1:
-        return t.vocab_size // k + (1 if j < t.vocab_size % k else 0)
-    return max(0, min(p.rows_per_shard, t.vocab_size - j * p.rows_per_shard))
+        held = t.vocab_size // k + (j < t.vocab_size % k)
+    else:
+        held = np.clip(t.vocab_size - np.maximum(j, 0) * p.rows_per_shard, 0, p.rows_per_shard)
+    return np.where(j >= 0, held, 0).astype(np.int64)
 
 
 def _routed_overflow(ctx, option, stack, calls_tables, layout, by_table, per_slot) -> str:
@@ -338,7 +357,7 @@ def evaluate(
         allocated += stack.local_rows * (row_bytes + state_row)
         shards = _device_shards(ctx, stack)
         for name in stack.tables:
-            held = np.array([_held_rows(layout, by_table[name], stack, s) for s in shards])
+            held = _held_rows(layout, by_table[name], stack, shards)
             used += held * (row_bytes + state_row)
             table_bytes[name] = int(held.max() * (row_bytes + state_row))
         members = [f for f in features if layout.placement(f.table).stack == stack.index]
@@ -355,7 +374,8 @@ def evaluate(
                 per_slot = sum(widths)
                 num_bags = sum(1 if f.pooled else (f.max_ids or 1) for f in group)
                 x_shape = (ctx.batch_size, per_slot)
-            options = _options(ctx, x_shape, stack, num_bags, combiner, dense=width is not None)
+            weighted = _weighted(combiner, group)
+            options = _options(ctx, x_shape, stack, num_bags, combiner, width is not None, weighted)
             ids_of: dict[str, float] = {}
             for f in group:
                 ids_of[f.table] = ids_of.get(f.table, 0.0) + ctx.mean_ids(f)

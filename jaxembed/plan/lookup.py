@@ -62,6 +62,7 @@ from jaxembed.plan.specs import (
     as_spec,
     backend_of,
     check_divides,
+    drop_unit_axes,
     entries_spec,
     is_explicit_mesh,
     itemsize,
@@ -306,7 +307,42 @@ def _plan(mesh, x_shape, weight_shape, *, x_spec, weight_spec, out_spec, padding
         impl=resolve_impl(impl, backend, dtype),
         optimizer_slots=tuple(bool(x) for x in optimizer_slots),
     )
-    return plan_request(request)
+    unit_free = _without_unit_axes(request)
+    plan = plan_request(unit_free)
+    if unit_free == request:
+        return plan
+    return dataclasses.replace(plan, out_type_spec=_out_type_spec(request, plan.out_spec))
+
+
+def _without_unit_axes(req: PlanRequest) -> PlanRequest:
+    """The request with no mesh axis of size 1 in its specs (`drop_unit_axes`): what the
+    kernels run, so that no collective or copy spans a group of one device."""
+    sizes = req.sizes
+
+    def drop(spec):
+        return None if spec is None else drop_unit_axes(spec, sizes)
+
+    return dataclasses.replace(
+        req, x_spec=drop(req.x_spec), weight_spec=drop(req.weight_spec),
+        out_spec=drop(req.out_spec), lengths_spec=drop(req.lengths_spec),
+        weights_spec=drop(req.weights_spec),
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=512)
+def _out_type_spec(req: PlanRequest, out_spec: P) -> P | None:
+    """The output's type as the caller's layouts name it, size-1 axes included (free: one
+    piece), for an Explicit mesh; None where it is the plan's `out_spec`."""
+    if not req.explicit:
+        return None
+    try:
+        typed = lookup_layout(req).out_spec
+    except ValueError:
+        return None
+    # Partial sums over one piece are whole: the type keeps the plan's unreduced axes only.
+    unreduced = set(out_spec.unreduced)
+    typed = P(*typed.partitions, unreduced=unreduced) if unreduced else P(*typed.partitions)
+    return None if typed == out_spec else typed
 
 
 @dataclasses.dataclass(frozen=True)

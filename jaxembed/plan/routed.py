@@ -212,14 +212,15 @@ def routed_option(*, scatters, batch_axes, row_axes, operands, ids_entries, size
     constants = cost.load_constants(backend, impl)
     row_bytes = out_kept_local[-1] * itemsize(dtype)
     # The owners gather and scatter n·C rows (and sum them over the other row axes); each
-    # source fetches its slots' rows back. Bucketing sorts the slots with XLA's sort in the
-    # forward and again in the backward; an update also deduplicates at the owner.
+    # source fetches its slots' rows back. Bucketing groups the slots by owner in the forward
+    # and again in the backward (the plan's kernels: XLA's sort, or the native counting
+    # sort); an update also deduplicates at the owner.
     rest = prod(routed.rest_axes, sizes)
     seconds = cost.modelled_seconds(
         constants, wire_bytes=wire, rows=2 * looked_up * rest + routed.slots,
         row_bytes=row_bytes, collectives=len(collectives),
-        sorted_ids=looked_up if update else 0,
-    ) + 2 * routed.slots / cost.load_constants(backend).sort_ids_per_s  # fmt: skip
+        sorted_ids=(looked_up if update else 0) + 2 * routed.slots,
+    )  # fmt: skip
     candidate = ExchangeCandidate(
         "routed", wire, looked_up + routed.slots, looked_up, seconds * 1e3,
         f"send each distinct id to its owner over {routed.axes}, capacity {routed.capacity}",

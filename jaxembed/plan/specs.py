@@ -24,6 +24,7 @@ __all__ = [
     "backend_of",
     "check_divides",
     "dims_mapping",
+    "drop_unit_axes",
     "entries_spec",
     "entry_names",
     "format_bytes",
@@ -62,6 +63,23 @@ def entries_spec(entries: Sequence[Sequence[str]], unreduced: Sequence[str] = ()
 def spec_entries(spec: P) -> Entries:
     """The entries of a `PartitionSpec` (one per entry it has)."""
     return tuple(entry_names(e) for e in spec.partitions)
+
+
+def drop_unit_axes(spec: P, sizes: dict[str, int]) -> P:
+    """`spec` without the mesh axes of size 1: a split into one piece moves nothing, so the
+    plans never name one (no collective, no copy over a group of one device).
+
+    Examples:
+      >>> drop_unit_axes(P(("data", "model"), None), {"data": 1, "model": 4})
+      P('model', None)
+      >>> drop_unit_axes(P("data", unreduced={"model"}), {"data": 2, "model": 1})
+      P('data',)
+    """
+    parts = tuple(
+        spec_entry(a for a in entry_names(e) if sizes.get(a, 2) != 1) for e in spec.partitions
+    )
+    unreduced = {a for a in spec.unreduced if sizes.get(a, 2) != 1}
+    return P(*parts, unreduced=unreduced) if unreduced else P(*parts)
 
 
 def as_spec(spec: Any) -> P:

@@ -198,7 +198,7 @@ class EmbeddingPlan:
       padding_idx: the id whose row is zero and gets no gradient, or None.
       dtype, ids_dtype: element types of the table and the ids.
       x_spec: the ids' layout as given; `ids_spec`: the layout the kernel runs them in.
-      weight_spec: the table's layout (never changed).
+      weight_spec: the table's layout (never changed; the kernels never move the table).
       body_out_spec: the layout the kernel's body produces before its last move; `out_spec`:
         the one returned (reached inside the kernel by `out_moves`).
       row_axes, hidden_axes: mesh axes splitting the table's rows and hidden axis (R, K).
@@ -226,6 +226,12 @@ class EmbeddingPlan:
       routed: the routed exchange's `jaxembed.plan.routed.RoutedPlan` when `exchange` is
         `"routed"` (its capacity, buckets and the exact fallback's collectives), else None.
       impl: the shard-local kernels that run: `"xla"` or `"native"` (C++ on CPU).
+      out_type_spec: in an Explicit mesh whose axes of size 1 the caller's layouts name, the
+        output's type with them (the kernels retype it, free: a split into one piece), else
+        None.
+
+    Every spec names no mesh axis of size 1 (a split into one piece): plans drop them, so no
+    collective or copy spans a group of one device.
 
     Properties give derived values: `rows_per_shard`, `table_shard_shape`,
     `gradient_exchange`, `forward_wire_bytes`, `backward_wire_bytes`.
@@ -292,6 +298,7 @@ class EmbeddingPlan:
     for_update: bool = False
     routed: RoutedPlan | None = None
     impl: str = "xla"
+    out_type_spec: P | None = None
 
     @property
     def gradient_exchange(self) -> str:
