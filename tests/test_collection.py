@@ -124,6 +124,21 @@ def put_batch(batch, mesh, spec):
 MESHES = {"2x4": ((2, 4), ("data", "model"), ("data",)), "8": ((8,), ("x",), ("x",))}
 
 
+def outputs_and_grads(graphdef, state, batch, cts):
+    """The collection's outputs and d(Σ out · ct)/d state, one jitted step."""
+
+    @jax.jit
+    def step(state, batch, cts):
+        def loss(state):
+            out = nnx.merge(graphdef, state)(batch)
+            return sum(jnp.sum(out[k] * cts[k]) for k in out), out
+
+        (_, out), g = jax.value_and_grad(loss, has_aux=True)(state)
+        return out, g
+
+    return step(state, batch, cts)
+
+
 @pytest.mark.parametrize("row_sharding", ["block", "mod"])
 @pytest.mark.parametrize("mesh_name", MESHES)
 def test_every_placement_matches_the_reference(mesh_name, row_sharding):
@@ -145,16 +160,7 @@ def test_every_placement_matches_the_reference(mesh_name, row_sharding):
 
         graphdef, state = nnx.split(coll)
 
-        @jax.jit
-        def step(state, batch, cts):
-            def loss(state):
-                out = nnx.merge(graphdef, state)(batch)
-                return sum(jnp.sum(out[k] * cts[k]) for k in out), out
-
-            (_, out), g = jax.value_and_grad(loss, has_aux=True)(state)
-            return out, g
-
-        out, grads = step(state, device_batch, cts)
+        out, grads = outputs_and_grads(graphdef, state, device_batch, cts)
         # Every output in the batch's layout, the columns stack's too: a dense model can
         # concatenate them.
         for name, value in out.items():
@@ -373,16 +379,7 @@ def test_unweighted_weighted_mean_and_unpooled_features_on_one_stack(exchange, f
                .astype(np.float32) for f in MIXED_FEATURES}  # fmt: skip
         graphdef, state = nnx.split(coll)
 
-        @jax.jit
-        def step(state, batch, cts):
-            def loss(state):
-                out = nnx.merge(graphdef, state)(batch)
-                return sum(jnp.sum(out[k] * cts[k]) for k in out), out
-
-            (_, out), g = jax.value_and_grad(loss, has_aux=True)(state)
-            return out, g
-
-        out, grads = step(state, device_batch, cts)
+        out, grads = outputs_and_grads(graphdef, state, device_batch, cts)
         # The row-sparse update (SGD: the table less lr times its gradient) from the same
         # operands; item's two calls (dense and Ragged) update it once each. (The dense
         # exchange builds table-shaped gradients, which a row-sparse update never does.)

@@ -55,8 +55,9 @@ def test_routed_exchange_walks_a_share(bag):
         plan = (jaxembed.plan_embedding_bag if bag else jaxembed.plan_embedding)(
             mesh, ids.shape, (V, H), x_spec=P("x"), weight_spec=P("x", None),
             exchange="routed", capacity_factor=4.0)  # fmt: skip
+        pool = {"routed_pool": "source"} if bag else {}  # the owner pools: its own test file
         _, stats = jax.jit(lambda t, x: fn(x, t, exchange="routed", capacity_factor=4.0,
-                                           return_stats=True))(t, x)  # fmt: skip
+                                           return_stats=True, **pool))(t, x)  # fmt: skip
     assert int(stats.routed_fallback) == 0
     assert plan.routed.num_buckets == N
     np.testing.assert_array_equal(stats.slots, np.full(N, ids.size // N))  # its own: G / n

@@ -119,10 +119,11 @@ def test_adversarial_skew_falls_back_exactly():
     assert jaxembed.rowsharding.suggest_row_sharding(ids, vocab_size=1024, num_shards=8)[0] == "mod"
 
 
+@pytest.mark.parametrize("routed_pool", ["source", "owner"])
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 @pytest.mark.parametrize("capacity", [None, 1])
 @pytest.mark.parametrize("layout", ["1d-fully-sharded", "rows-over-data-model"])
-def test_bags(layout, combiner, capacity):
+def test_bags(layout, combiner, capacity, routed_pool):
     mesh_shape, w_spec, x_spec = LAYOUTS[layout]
     mesh = make_mesh(mesh_shape, AxisType.Explicit)
     rng = np.random.default_rng(7)
@@ -134,7 +135,7 @@ def test_bags(layout, combiner, capacity):
     x[2, :3] = [4, 4, 9]
     ct = rng.normal(size=(16, HIDDEN)).astype(np.float32)
     kw = dict(vocab_size=VOCAB, padding_idx=PAD, combiner=combiner, exchange="routed",
-              capacity=capacity)  # fmt: skip
+              capacity=capacity, routed_pool=routed_pool)  # fmt: skip
 
     def step(x, t, ct):
         f = lambda t: jaxembed.embedding_bag(x, t, **kw)

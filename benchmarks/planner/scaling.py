@@ -158,7 +158,10 @@ def exchange_figures(plan: Any, mesh: Any, exchange: str) -> dict[str, Any]:
         k, r = cands[name], p.routed
         again = _replan(c, mesh, name) if name == c.exchange else p
         if (again.forward, again.backward) != (p.forward, p.backward) or (
-            r is not None and k.rows_gathered != r.slots + r.rows_looked_up
+            r is not None
+            and k.rows_gathered
+            != r.rows_looked_up
+            + (0 if r.pooled_at_owner else r.slots)  # the owner pools: no rows come back
         ):  # the replanned call must be the one the collection prices
             raise RuntimeError(f"call {c.stack_name}: its {name} plan, planned again, differs "
                                f"from the collection's: update _replan")  # fmt: skip
@@ -173,6 +176,7 @@ def exchange_figures(plan: Any, mesh: Any, exchange: str) -> dict[str, Any]:
             "overflow": name == "routed" and c.note.startswith("routed would overflow"),
             "routed": None if r is None else {
                 "num_buckets": r.num_buckets, "slots": r.slots, "capacity": r.capacity,
+                "pooled_at_owner": r.pooled_at_owner,
                 "capacity_factor": round(r.capacity_factor, 4),
                 "rows_looked_up": r.rows_looked_up},
             "host_wire_bytes": p.wire_bytes_over(["hosts"])

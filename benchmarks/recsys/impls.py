@@ -11,7 +11,7 @@ devices: the bags split over it, every table's rows split over it.
 | `jaxembed[xla]` | the same, `impl="xla"` | the same, `impl="xla"` |
 | `jaxembed[rows]` | the same, `exchange="rows"` | the same, `exchange="rows"` |
 | `jaxembed[routed]` | the same, `exchange="routed"` (each id to its owner) | the same |
-| `jaxembed[auto]` | placements, exchanges: `plan_collection` (384 MiB a device) | the same |
+| `jaxembed[auto]` | placements, exchanges: `plan_collection` (384 MiB, `id_stats`) | the same |
 | `xla` | `jnp.take` + sum over the bag (XLA partitions it) | `optax.adagrad` (dense) |
 | `flax` | one `nnx.Embed` per table + sum | `nnx.Optimizer(optax.adagrad)` |
 
@@ -181,9 +181,14 @@ def _jaxembed(workload: W.Workload, n: int, lr: float, eps: float, *, impl: str,
     tables = [TableConfig(t.name, t.rows, t.dim, placement=placement) for t in workload.tables]
     features = [FeatureConfig(f.name, f.table, max_ids=f.max_ids) for f in workload.features]
     placements = None
-    if placement == "auto":
+    if placement == "auto" and n > 1:  # one device: nothing to place
+        from jaxembed.plan.idstats import id_stats
+
+        # As a user would: the planner measures a few batches of the ids it will see.
+        sample = [dense_ids(workload, W.make_batch(workload, seed=1, step=i)) for i in range(2)]
         plan = jaxembed.plan_collection(tables, features, mesh, batch_size=workload.batch_size,
-                                        memory_per_device=PLANNER_BUDGET)  # fmt: skip
+                                        memory_per_device=PLANNER_BUDGET,
+                                        id_stats=id_stats(sample, features))  # fmt: skip
         placements, exchange = plan.placements, plan.exchanges
     layout = layout_collection(tables, features, mesh, placements)
     opt = jaxembed.optim.rowwise_adagrad(lr, eps=eps)

@@ -13,6 +13,11 @@ a `pmin` of the winning slots routes its gradient to the one shard that owns the
               out_grad (and winners) over the batch axes] -> each slot's gradient (its
               bag's out_grad times its factor, or the max's winner) -> scatter-add into a
               zero shard -> [dense: psum over the batch axes]
+
+The routed exchange (`jaxembed.kernels.routed`) either fetches each distinct id's row and pools
+at the source, or (`plan.routed.pooled_at_owner`, sum-like bags) sends each slot to its row's
+owner, which pools per (source, bag) before a `psum_scatter`; its backward gathers out_grad
+over S and forms each received slot's gradient at the owner (`fused` when native).
 """
 
 from __future__ import annotations
@@ -189,21 +194,57 @@ def _gather_bags(plan: EmbeddingPlan, bags: Bags, axes, dim) -> Bags:
     ))  # fmt: skip
 
 
-def _routed_pool(plan: EmbeddingPlan, bags: Bags, table: jax.Array):
-    """The routed forward: fetch each slot's row from its owner, pool locally; a step whose
-    buckets overflow pools through the gather exchange instead. `(out, overflow, counts)`."""
+def _routed_buckets(plan: EmbeddingPlan, bags: Bags) -> tuple[_Slots, routed_ops.Buckets]:
+    """A device's slots (their rows wherever they live) and their buckets by owner: distinct
+    ids, or, when the owners pool, the slots themselves."""
     s = _slots(plan, bags, my_bags_only=True, owned_only=False)
-    buckets = routed_ops.bucketize(plan, bags.ids.reshape(-1), s.here)
+    if plan.routed.pooled_at_owner:
+        return s, routed_ops.bucket_slots(plan, bags.ids.reshape(-1), s.here & (s.segment >= 0))
+    return s, routed_ops.bucketize(plan, bags.ids.reshape(-1), s.here)
+
+
+def _owner_slots(plan: EmbeddingPlan, bags: Bags, s: _Slots, buckets) -> _Slots:
+    """The slots this device received as their rows' owner (`route_slots`), as `_Slots` of
+    every source's bags: bag b of the source at position j along S is segment j·GB + b."""
+    ids, seg, scale = routed_ops.route_slots(plan, buckets, bags.ids.reshape(-1), s.segment,
+                                             s.scale)  # fmt: skip  # [n_S, C] each
+    n, c = ids.shape
+    local, here = local_ops.local_rows(plan, ids)
+    here = here & (seg >= 0)
+    source = jnp.arange(n, dtype=jnp.int32)[:, None]
+    segment = jnp.where(here, source * s.num_segments + seg, -1)
+    return _Slots(local.reshape(-1), here.reshape(-1), segment.reshape(-1),
+                  jnp.zeros((n * c,), jnp.int32), scale.reshape(-1),
+                  n * s.num_segments)  # fmt: skip
+
+
+def _routed_pool(plan: EmbeddingPlan, bags: Bags, table: jax.Array):
+    """The routed forward: fetch each slot's row from its owner, pool locally (or, pooled at
+    the owner: send each slot to its owner, which pools, and reduce-scatter the partial
+    sums); a step whose buckets overflow pools through the gather exchange instead.
+    `(out, overflow, counts)`."""
+    s, buckets = _routed_buckets(plan, bags)
     overflow = routed_ops.overflowed(buckets, plan.mesh_names)
 
     ops = kernels_for(plan)
 
+    def at_owner(_):
+        o = _owner_slots(plan, bags, s, buckets)  # n_S·C slots of every source's GB bags
+        partial = ops.pool_sum(table, o.local, o.here, o.segment, o.scale, o.num_segments)
+        # partial: f32[n_S·GB, H/K], by (source, bag) -> each source its own f[GB, H/K]
+        pooled = jax.lax.psum_scatter(partial.astype(table.dtype), plan.routed.axes,
+                                      scatter_dimension=0, tiled=True)  # fmt: skip
+        if plan.routed.rest_axes:
+            pooled = jax.lax.psum(pooled, plan.routed.rest_axes)  # the other row shards
+        out = _out_shape(plan, bags, pooled)
+        return out, work_counts(plan, o.here.shape[0], jnp.sum(o.here))  # pooled as owner
+
     def routed(_):
-        rows, reads = routed_ops.route_rows(plan, table, buckets, count=True)  # f[M, H/K]
-        slots = jnp.arange(rows.shape[0], dtype=jnp.int32)
-        pooled = ops.pool_sum(rows, slots, s.here, s.segment, s.scale, s.num_segments)
+        back, reads = routed_ops.fetch_rows(plan, table, buckets)  # f[n_S·C, H/K]
+        place, fits = routed_ops.places(buckets)  # each slot's row of `back`
+        pooled = ops.pool_sum(back, place, s.here & fits, s.segment, s.scale, s.num_segments)
         out = _out_shape(plan, bags, pooled.astype(table.dtype))
-        return out, work_counts(plan, rows.shape[0], reads)  # pooled: my own slots
+        return out, work_counts(plan, s.here.shape[0], reads)  # pooled: my own slots
 
     def fallback(_):
         whole = _gather_bags(plan, bags, plan.routed.axes, plan.routed.dim)
@@ -212,7 +253,8 @@ def _routed_pool(plan: EmbeddingPlan, bags: Bags, table: jax.Array):
         out = reduce_over_rows(plan, _out_shape(plan, whole, pooled.astype(table.dtype)))
         return out, work_counts(plan, g.here.shape[0], jnp.sum(g.here))
 
-    out, counts = jax.lax.cond(overflow, fallback, routed, None)
+    branch = at_owner if plan.routed.pooled_at_owner else routed
+    out, counts = jax.lax.cond(overflow, fallback, branch, None)
     return out, overflow.astype(jnp.int32), counts
 
 
@@ -289,15 +331,32 @@ def exchanged_slot_grads(plan: EmbeddingPlan, bags: Bags, out_grad, winners, con
     `consume(local, here, grads)` (a scatter-add, or an optimizer's update), whose result
     is returned with the routed exchange's overflow flag, `(result, overflow)`. Under the
     routed exchange `consume` runs in both branches of its `cond`, chosen by `overflow` (the
-    forward's flag; computed here when None)."""
+    forward's flag; computed here when None).
+
+    Pooled at the owner, the slots are bucketed and sent again (the update has no forward
+    to keep them from, and a lookup's residuals stay its operands), out_grad is gathered
+    over S (the transpose of the forward's `psum_scatter`), and each owner forms its
+    received slots' gradients, `fused` when given (gradient, dedup and update in one pass)."""
     if plan.exchange == "routed":
         out_grad = apply_moves(out_grad, plan.grad_moves)
-        s = _slots(plan, bags, my_bags_only=True, owned_only=False)
-        buckets = routed_ops.bucketize(plan, bags.ids.reshape(-1), s.here)
+        s, buckets = _routed_buckets(plan, bags)
 
-        def routed(_):
-            grads = _slot_grads(plan, s, out_grad, None)
-            owner_ids, summed = routed_ops.route_grads(plan, buckets, grads)
+        def at_owner(_):
+            o = _owner_slots(plan, bags, s, buckets)
+            og = out_grad.reshape(-1, out_grad.shape[-1])  # f[GB, H/K]
+            og = jax.lax.all_gather(og, plan.routed.axes, axis=0, tiled=True)  # f[n_S·GB, H/K]
+            if fused is not None:
+                return fused(o, og)
+            return consume(o.local, o.here, _slot_grads(plan, o, og, None))
+
+        def routed(_):  # each distinct id's gradient summed by place, fused (no f[M, H])
+            place, fits = routed_ops.places(buckets)
+            n, c = buckets.send.shape
+            og = out_grad.reshape(-1, out_grad.shape[-1])  # f[GB, H/K]
+            summed = kernels_for(plan).bag_scatter_add(
+                (n * c, og.shape[-1]), place, s.here & fits, s.segment, s.scale, og
+            )  # f32[n_S·C, H/K]
+            owner_ids, summed = routed_ops.send_grads(plan, buckets, summed)
             local, here = local_ops.local_rows(plan, owner_ids)
             return consume(local, here & (owner_ids >= 0), summed)
 
@@ -308,7 +367,8 @@ def exchanged_slot_grads(plan: EmbeddingPlan, bags: Bags, out_grad, winners, con
 
         if overflow is None:
             overflow = routed_ops.overflowed(buckets, plan.mesh_names).astype(jnp.int32)
-        return jax.lax.cond(overflow > 0, fallback, routed, None), overflow
+        branch = at_owner if plan.routed.pooled_at_owner else routed
+        return jax.lax.cond(overflow > 0, fallback, branch, None), overflow
     out_grad = out_grad_to_body(plan, out_grad)
     if plan.exchange == "rows":
         bags, out_grad, winners = _rows_exchange(plan, bags, out_grad, winners)
@@ -518,6 +578,7 @@ def embedding_bag(
     return_stats: bool = False,
     check_ids: bool = True,
     impl: str = "auto",
+    routed_pool: str = "auto",
 ) -> Any:
     """Pools `weight`'s rows over bags of ids, sharded, with PyTorch's `embedding_bag` semantics.
 
@@ -547,6 +608,8 @@ def embedding_bag(
         capacity_factor, return_stats, impl: as in `jaxembed.embedding`.
       check_ids: raise for concrete ids outside the vocabulary (True); False lets them read
         nothing, as under `jit` (for callers that mark empty slots with -1 on purpose).
+      routed_pool: where the routed exchange pools a sum-like bag: `"source"`, `"owner"`
+        or `"auto"` (see `jaxembed.plan_embedding_bag`).
       x_spec: the ids' layout (the lengths and weights follow the same lead layout unless
         their arrays state their own); default read from the arrays, or assumed as in
         `embedding`.
@@ -578,6 +641,7 @@ def embedding_bag(
         row_sharding=row_sharding, capacity=capacity, capacity_factor=capacity_factor,
         return_stats=return_stats, impl=impl, combiner=combiner,
         include_last_offset=include_last_offset, check_ids=check_ids, function="embedding_bag",
+        routed_pool=routed_pool,
     )  # fmt: skip
     bags = prepare_bags(x, lengths, offsets, per_id_weights, include_last_offset, check=check_ids)
     return run_embedding_bag(bags, weight, options)
@@ -619,7 +683,8 @@ def run_embedding_bag(bags: Bags, weight: jax.Array, options: LookupOptions) -> 
         lengths_spec=companion_spec(bags.lengths, mesh, x_spec),
         weights_spec=companion_spec(bags.weights, mesh, x_spec),
         weight_spec=weight_spec, out_spec=options.out_spec, dtype=weight.dtype,
-        ids_dtype=bags.ids.dtype, exchange=options.exchange, **options.plan_kwargs(),
+        ids_dtype=bags.ids.dtype, exchange=options.exchange, routed_pool=options.routed_pool,
+        **options.plan_kwargs(),
     )  # fmt: skip
     if options.check_ids:
         _check_bag_ids(bags, plan.vocab_size)

@@ -358,6 +358,7 @@ def collection_lookup(
     capacity_factor: float | None = None,
     impl: str = "auto",
     return_stats: bool = False,
+    routed_pool: str = "auto",
 ) -> Any:
     """Every feature's output: pooled `[B, dim]` (a `Ragged` input: `[*lead·B, dim]`) or
     unpooled `[B, L, dim]`; with `return_stats`, also each stack's `LookupStats` (its calls'
@@ -374,6 +375,8 @@ def collection_lookup(
         (`exchange` may be a mapping from stack index to exchange).
       return_stats: also return each stack's `LookupStats`: the routed exchange's fallback
         and every device's slots walked and rows read, summed over the stack's calls.
+      routed_pool: where the routed exchange pools the sum-like calls (`"auto"`, `"source"`,
+        `"owner"`; see `jaxembed.plan_embedding_bag`); max-pooled calls pool at the source.
     """
     outputs: dict[str, jax.Array] = {}
     stats: dict[str, LookupStats] = {}
@@ -392,6 +395,7 @@ def collection_lookup(
             weight_spec=_weight_spec(stack, where), exchange=_exchange(exchange, group.stack),
             capacity_factor=capacity_factor, impl=impl, combiner=group.combiner,
             check_ids=False, function="EmbeddingBagCollection", ids_advice=IDS_ADVICE,
+            routed_pool=_routed_pool(routed_pool, group.combiner),
         )  # fmt: skip
         if return_stats:
             options = dataclasses.replace(options, return_stats=True)
@@ -526,6 +530,7 @@ def collection_update(
     exchange: str = "auto",
     capacity_factor: float | None = None,
     impl: str = "auto",
+    routed_pool: str = "auto",
 ) -> tuple[dict[int, jax.Array], dict[int, Any]]:
     """Row-sparse update of every stack from the outputs' gradients (`jaxembed.optim`).
 
@@ -535,7 +540,8 @@ def collection_update(
     gets one update per call, and a warning says so.
 
     Args:
-      layout, batch, mesh, x_spec, exchange, capacity_factor, impl: as `collection_lookup`.
+      layout, batch, mesh, x_spec, exchange, capacity_factor, impl, routed_pool: as
+        `collection_lookup`.
       optimizer: a `jaxembed.optim.RowSparseOptimizer`.
       stacks, states: each stack's table and optimizer state, by stack index.
       out_grads: d loss / d output, per feature, shaped as `collection_lookup`'s outputs.
@@ -568,8 +574,14 @@ def collection_update(
             mesh=mesh, x_spec=_ids_spec(ids, stack, where, x_spec, warn=False),
             weight_spec=_weight_spec(stack, where),
             exchange=_exchange(exchange, group.stack), capacity_factor=capacity_factor, impl=impl,
+            routed_pool=_routed_pool(routed_pool, group.combiner),
         )  # fmt: skip
     return stacks, states
+
+
+def _routed_pool(routed_pool: str, combiner: str) -> str:
+    """A call's `routed_pool`: a max-pooled call has no partial sums to pool at the owner."""
+    return "auto" if combiner == "max" and routed_pool == "owner" else routed_pool
 
 
 def _join(group: Group, pieces, out_grads, ids, stack: Stack) -> jax.Array:

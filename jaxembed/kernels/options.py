@@ -31,8 +31,8 @@ class LookupOptions:
       padding_idx, vocab_size, mesh, x_spec, weight_spec, out_spec, exchange, row_sharding,
         capacity, capacity_factor, return_stats, impl: as `jaxembed.embedding` takes them
         (`exchange` already resolved from the old name `gradient_exchange`).
-      combiner, include_last_offset, check_ids: the bag lookup's (`jaxembed.embedding_bag`);
-        `combiner` is None for a lookup that pools nothing.
+      combiner, include_last_offset, check_ids, routed_pool: the bag lookup's
+        (`jaxembed.embedding_bag`); `combiner` is None for a lookup that pools nothing.
       x_hint: a layout for the ids used where it divides (the Flax modules' inputs).
       function, table_advice, ids_advice: how the caller's own API words the warnings.
 
@@ -55,6 +55,7 @@ class LookupOptions:
     combiner: str | None = None
     include_last_offset: bool = False
     check_ids: bool = True
+    routed_pool: str = "auto"
     x_hint: P | None = None
     function: str = "embedding"
     table_advice: str | None = None

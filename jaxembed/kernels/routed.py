@@ -19,6 +19,10 @@ The backward sums each distinct id's gradient in the same buckets and sends it t
 Whether any bucket of any device overflowed its capacity C is one all-reduced flag; a step
 that overflowed runs the gather exchange instead (the callers' `lax.cond`), so no id is ever
 dropped.
+
+A bag lookup pooled at the owner (`plan.routed.pooled_at_owner`) buckets the slots instead
+(`bucket_slots`: the same `bucket_ids`, keyed by slot index) and sends each slot's (id, bag,
+factor) in one `all_to_all` (`route_slots`); `jaxembed.kernels.bag` pools them at the owner.
 """
 
 from __future__ import annotations
@@ -32,7 +36,18 @@ from jaxembed.kernels import local as local_ops
 from jaxembed.kernels.select import kernels_for
 from jaxembed.plan import EmbeddingPlan
 
-__all__ = ["Buckets", "bucketize", "overflowed", "route_grads", "route_rows"]
+__all__ = [
+    "Buckets",
+    "bucket_slots",
+    "bucketize",
+    "fetch_rows",
+    "overflowed",
+    "places",
+    "route_grads",
+    "route_rows",
+    "route_slots",
+    "send_grads",
+]
 
 
 class Buckets(NamedTuple):
@@ -95,6 +110,56 @@ def bucketize(plan: EmbeddingPlan, ids: jax.Array, valid: jax.Array) -> Buckets:
     return Buckets(send, dest, pos, overflow)
 
 
+def bucket_slots(plan: EmbeddingPlan, ids: jax.Array, valid: jax.Array) -> Buckets:
+    """Buckets a device's slots (not its distinct ids) by owner: the bag variant whose
+    owners pool (`jaxembed.kernels.bag`).
+
+    The same `bucket_ids` with each slot's own index as its key: the keys are distinct, so
+    `send[b]` lists bucket b's slots in ascending order, `pos` is each slot's stable rank in
+    its bucket, and `overflow` says that some bucket holds more than C slots.
+
+    Args:
+      plan: a plan whose exchange is routed.
+      ids: i32[M] the device's ids (flattened).
+      valid: bool[M] whether each slot reads a row.
+
+    Returns:
+      The `Buckets`, `send` holding slot indices (-1: an empty place).
+    """
+    n, c = plan.routed.num_buckets, plan.routed.capacity
+    dest = jnp.where(valid, _owner_coordinate(plan, ids), n).astype(jnp.int32)  # i32[M]
+    slot = jnp.arange(ids.shape[0], dtype=jnp.int32)  # i32[M], all distinct
+    send, pos, overflow = kernels_for(plan).bucket_ids(dest, slot, n, c)  # i32[n_S, C], i32[M]
+    return Buckets(send, dest, pos, overflow)
+
+
+def route_slots(
+    plan: EmbeddingPlan, buckets: Buckets, ids: jax.Array, segment: jax.Array, scale: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Sends each bucketed slot's (id, bag, factor) to its owner, in one `all_to_all`.
+
+    Args:
+      plan: the routed plan.
+      buckets: `bucket_slots`' buckets of the device's slots.
+      ids, segment, scale: i32[M], i32[M], f32[M] each slot's id, bag and factor.
+
+    Returns:
+      `(ids, segment, scale)` at the owner, i32[n_S, C], i32[n_S, C], f32[n_S, C]: row j
+      from the source at position j along S (-1, -1, 0: an empty place).
+    """
+    slot = buckets.send  # i32[n_S, C] slot indices
+    full = slot >= 0
+    at = jnp.where(full, slot, 0)
+    bits = jax.lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.int32)
+    packed = jnp.stack([
+        jnp.where(full, ids[at], -1), jnp.where(full, segment[at], -1),
+        jnp.where(full, bits[at], 0),
+    ], axis=-1).astype(jnp.int32)  # fmt: skip  # i32[n_S, C, 3]
+    recv = _to_owners(plan, packed)  # i32[n_S, C, 3] from each source
+    factor = jax.lax.bitcast_convert_type(recv[..., 2], jnp.float32)
+    return recv[..., 0], recv[..., 1], factor
+
+
 def overflowed(buckets: Buckets, mesh_axes: tuple[str, ...]) -> jax.Array:
     """Whether any device's bucket overflowed: the same answer on every device."""
     flag = buckets.overflow.astype(jnp.int32)
@@ -111,9 +176,28 @@ def _to_owners(plan: EmbeddingPlan, x: jax.Array) -> jax.Array:
     return jax.lax.all_to_all(x, plan.routed.axes, 0, 0, tiled=True)
 
 
+def places(buckets: Buckets) -> tuple[jax.Array, jax.Array]:
+    """Each slot's place in the flat buckets, i32[M] (`dest · C + pos`; n_S·C: none), and
+    whether it fits, bool[M]: the row of `fetch_rows`' output that holds its id's row."""
+    n, c = buckets.send.shape
+    fits = buckets.fits()
+    return jnp.where(fits, buckets.dest * c + buckets.pos, n * c), fits
+
+
 def route_rows(plan: EmbeddingPlan, table: jax.Array, buckets: Buckets, *, count: bool = False):
     """Each slot's row, fetched from its owner: f[M, H/K] (zero for slots that read none);
     with `count`, `(rows, reads)`: also the rows this device read for its sources, i32[]."""
+    back, reads = fetch_rows(plan, table, buckets)
+    place, fits = places(buckets)
+    got = back[jnp.where(fits, place, 0)]
+    out = jnp.where(fits[:, None], got, jnp.zeros((), got.dtype))
+    return (out, reads) if count else out
+
+
+def fetch_rows(plan: EmbeddingPlan, table: jax.Array, buckets: Buckets):
+    """My distinct ids' rows, fetched from their owners, by place (`places`): `(f[n_S·C,
+    H/K], reads)`, with the rows this device read for its sources, i32[]. A bag pools them
+    straight from here (`pool_sum` with the places as rows), so no f[M, H] is built."""
     recv = _to_owners(plan, buckets.send)  # i32[n_S, C] ids from each source
     local, valid = local_ops.local_rows(plan, recv)
     n, c = recv.shape
@@ -124,10 +208,7 @@ def route_rows(plan: EmbeddingPlan, table: jax.Array, buckets: Buckets, *, count
     if plan.routed.rest_axes:
         rows = jax.lax.psum(rows, plan.routed.rest_axes)  # the owners' other row shards
     back = _to_owners(plan, rows)  # f[n_S, C, H/K]: my ids' rows, by bucket and place
-    fits = buckets.fits()
-    got = back[jnp.where(fits, buckets.dest, 0), jnp.where(fits, buckets.pos, 0)]
-    out = jnp.where(fits[:, None], got, jnp.zeros((), got.dtype))
-    return (out, jnp.sum(reads, dtype=jnp.int32)) if count else out
+    return back.reshape(n * c, -1), jnp.sum(reads, dtype=jnp.int32)
 
 
 def route_grads(
@@ -144,11 +225,15 @@ def route_grads(
       `(ids, grads)` at the owner: i32[n_S·C] (-1: none) and f32[n_S·C, H/K].
     """
     n, c = buckets.send.shape
-    fits = buckets.fits()
-    place = jnp.where(fits, buckets.dest * c + buckets.pos, n * c)
-    summed = jax.ops.segment_sum(
-        jnp.where(fits[:, None], grads.astype(jnp.float32), 0.0), place, num_segments=n * c + 1
-    )[: n * c]
+    place, fits = places(buckets)
+    summed = kernels_for(plan).scatter_add((n * c, grads.shape[-1]), place, fits, grads)
+    return send_grads(plan, buckets, summed)
+
+
+def send_grads(plan: EmbeddingPlan, buckets: Buckets, summed: jax.Array):
+    """`(ids, grads)` at the owner from my distinct ids' summed gradients by place,
+    f32[n_S·C, H/K] (`route_grads`; a bag sums them fused, with `bag_scatter_add`)."""
+    n, c = buckets.send.shape
     ids = _to_owners(plan, buckets.send).reshape(n * c)
     summed = _to_owners(plan, summed.reshape(n, c, -1)).reshape(n * c, -1)
     return ids, summed

@@ -145,6 +145,7 @@ class RowSparseOptimizer:
         include_last_offset: bool = False,
         x_hint: P | None = None,
         after: Any = None,
+        routed_pool: str = "auto",
     ) -> tuple[jax.Array, RowSparseState]:
         """Applies one step to the rows the batch touched: backward and update in one kernel.
 
@@ -172,6 +173,8 @@ class RowSparseOptimizer:
             the update then writes in place only after it (`jaxembed.optim.sparse.after`).
             Pass it when `out_grad` does not depend on the forward (a linear loss, a fixed
             cotangent): without it XLA may copy the whole donated table every step.
+          routed_pool: where the routed exchange pools a sum-like bag (`"auto"`,
+            `"source"`, `"owner"`; see `jaxembed.plan_embedding_bag`).
 
         Returns:
           `(table, state)`, in their own layouts.
@@ -193,6 +196,7 @@ class RowSparseOptimizer:
             row_sharding=row_sharding, capacity=capacity, capacity_factor=capacity_factor,
             impl=impl, combiner=(combiner or "sum") if is_bag else None,
             include_last_offset=include_last_offset, x_hint=x_hint, function="opt.update",
+            routed_pool=routed_pool,
         )  # fmt: skip
         bags = None
         if is_bag:
@@ -272,7 +276,7 @@ class RowSparseOptimizer:
             combiner=options.combiner, weighted=bags.weights is not None,
             lengths_spec=companion_spec(bags.lengths, mesh, x_spec) if x_spec else None,
             weights_spec=companion_spec(bags.weights, mesh, x_spec) if x_spec else None,
-            **common,
+            routed_pool=options.routed_pool, **common,
         )  # fmt: skip
 
     def _state(self, state: RowSparseState, slots, overflow) -> RowSparseState:

@@ -97,6 +97,7 @@ __all__ = [
 
 Exchange = Literal["auto", "dense", "rows", "routed"]
 _EXCHANGES = ("auto", "dense", "rows", "routed")
+_ROUTED_POOLS = ("auto", "source", "owner")
 
 
 # --- the plan -----------------------------------------------------------------------------
@@ -179,7 +180,7 @@ def plan_embedding(
         exchange=_exchange_arg(exchange, gradient_exchange), row_sharding=row_sharding,
         backend=backend, bag=None, lengths_spec=None, weights_spec=None, update=update,
         capacity=capacity, capacity_factor=capacity_factor, impl=impl,
-        optimizer_slots=optimizer_slots,
+        optimizer_slots=optimizer_slots, routed_pool="auto",
     )  # fmt: skip
 
 
@@ -208,6 +209,7 @@ def plan_embedding_bag(
     capacity_factor: float | None = None,
     impl: str = "auto",
     optimizer_slots: Sequence[bool] = (),
+    routed_pool: str = "auto",
 ) -> EmbeddingPlan:
     """Plans a sharded bag lookup (`jaxembed.embedding_bag`) and its gradient on `mesh`.
 
@@ -225,6 +227,10 @@ def plan_embedding_bag(
       num_bags: None for the dense form; B of the flat form (lengths are `[*lead, B]`).
       combiner: `"sum"`, `"mean"`, `"sqrtn"` or `"max"`.
       weighted: whether per-id weights (shaped like the ids) scale each row.
+      routed_pool: where the routed exchange pools a sum-like bag (sum, mean, sqrtn,
+        weighted): `"source"` (each distinct id's row comes back and the source pools),
+        `"owner"` (each slot goes to its row's owner, which pools; the partial sums come
+        back), or `"auto"` (the faster by the cost model). Ignored by the other exchanges.
       x_spec, lengths_spec, weights_spec: the layouts of the ids, lengths and weights
         (None: replicated).
 
@@ -262,6 +268,7 @@ def plan_embedding_bag(
         lengths_spec=lengths_spec if form == "flat" else None,
         weights_spec=weights_spec if weighted else None, update=update, capacity=capacity,
         capacity_factor=capacity_factor, impl=impl, optimizer_slots=optimizer_slots,
+        routed_pool=routed_pool,
     )  # fmt: skip
 
 
@@ -279,7 +286,7 @@ def _exchange_arg(exchange: Any, gradient_exchange: Any) -> Any:
 def _plan(mesh, x_shape, weight_shape, *, x_spec, weight_spec, out_spec, padding_idx,
           vocab_size, dtype, ids_dtype, exchange, row_sharding, backend, bag, lengths_spec,
           weights_spec, update, capacity, capacity_factor, impl,
-          optimizer_slots) -> EmbeddingPlan:  # fmt: skip
+          optimizer_slots, routed_pool) -> EmbeddingPlan:  # fmt: skip
     names = layout.axis_names_of(mesh)
     sizes = dict(zip(names, mesh_sizes(mesh), strict=True))
     backend = backend or backend_of(mesh)
@@ -306,6 +313,7 @@ def _plan(mesh, x_shape, weight_shape, *, x_spec, weight_spec, out_spec, padding
         capacity_factor=capacity_factor,
         impl=resolve_impl(impl, backend, dtype),
         optimizer_slots=tuple(bool(x) for x in optimizer_slots),
+        routed_pool=routed_pool,
     )
     unit_free = _without_unit_axes(request)
     plan = plan_request(unit_free)
@@ -376,6 +384,7 @@ class PlanRequest:
     capacity_factor: float | None
     impl: str
     optimizer_slots: tuple[bool, ...]
+    routed_pool: str = "auto"
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -528,6 +537,14 @@ def validate_request(req: PlanRequest) -> tuple[tuple[str, ...], tuple[str, ...]
     names, sizes = req.names, req.sizes
     if req.exchange not in _EXCHANGES:
         raise ValueError(f"exchange must be one of {_EXCHANGES}, got {req.exchange!r}")
+    if req.routed_pool not in _ROUTED_POOLS:
+        raise ValueError(f"routed_pool must be one of {_ROUTED_POOLS}, got {req.routed_pool!r}")
+    if req.routed_pool == "owner" and (req.bag is None or req.is_max):
+        what = "a max bag" if req.is_max else "a lookup that pools nothing"
+        raise ValueError(
+            f"routed_pool='owner' pools partial sums at the rows' owners, which {what} does "
+            "not have: pass routed_pool='auto' (or 'source')"
+        )
     if req.row_sharding not in ("block", "mod"):
         raise ValueError(f"row_sharding must be 'block' or 'mod', got {req.row_sharding!r}")
     row_axes, hidden_axes = table_layout(req.weight_shape, req.weight_spec, names, sizes)
@@ -720,6 +737,7 @@ def choose_lookup_exchange(
         capacity=req.capacity, capacity_factor=req.capacity_factor, update=req.update,
         impl=impl, out_moves_collectives=out_gathers, grad_collectives=coll.grad_collectives,
         backend=req.backend, unreduced=lay.unreduced,
+        pooled=req.bag is not None and not req.is_max, routed_pool=req.routed_pool,
     )  # fmt: skip
     exchange, reason, candidates, exchange_collectives, buffers = choose_exchange(
         req.exchange, geometry, coll.forward, coll.transposes, req.backend, update=req.update,

@@ -395,12 +395,19 @@ class RoutedPlan:
       rest_axes: the table's other row axes; the owners sum their rows over them.
       num_buckets: n_S, the devices along S.
       slots: M, the id slots one device routes.
-      capacity: C, the distinct ids one device may send to one owner in a step.
+      capacity: C, the distinct ids (pooled at the owner: the slots) one device may send to
+        one owner in a step.
       capacity_factor: C over the uniform expectation M / n_S (when C was not set).
       ids_spec: the layout the ids run in (split over S as well).
       forward, backward: the routed path's collectives.
       fallback_forward, fallback_backward: the exact fallback's (the gather exchange), run
         only in a step where some bucket overflowed.
+      pooled_at_owner: a bag lookup (sum, mean, sqrtn, weighted) whose owners pool: each
+        device sends its slots (id, bag, factor) to the owners, which pool them into partial
+        sums per (source, bag) that a `psum_scatter` returns to the sources; False: each
+        distinct id's row comes back and the source pools (and every plain lookup).
+      pool_costs: `(variant, wire bytes, modelled ms)` of each pooling the plan weighed
+        (`"source"`, `"owner"`); empty where only one applies.
     """
 
     axes: tuple[str, ...]
@@ -414,6 +421,8 @@ class RoutedPlan:
     backward: tuple[Collective, ...]
     fallback_forward: tuple[Collective, ...]
     fallback_backward: tuple[Collective, ...]
+    pooled_at_owner: bool = False
+    pool_costs: tuple[tuple[str, float, float], ...] = ()
 
     @property
     def rows_looked_up(self) -> int:
