@@ -3,6 +3,7 @@
     python -m benchmarks --quick                 # the layouts benchmark (= `layouts --quick`)
     python -m benchmarks sparse --quick          # or bags, routed, recsys, planner
     python -m benchmarks planner-scaling         # the plans' strong scaling, no devices
+    python -m benchmarks recsys-floor            # n devices' best case on these cores
     python -m benchmarks --calibrate             # the cost model's CPU constants
     jaxembed bench ...                           # the same, from a checkout
 
@@ -13,7 +14,8 @@ dense ones), `bags` (pooled lookups against XLA's take + sum), `routed` (the rou
 against the gather path), `recsys` (the recommender step against XLA, Flax, keras-rs and
 TorchRec) and `planner` (the collection planner's layout against uniform placements;
 `planner-scaling`, its `scaling` module: bytes and slots per device at 8 to 512 devices, from
-the plans alone).
+the plans alone); `recsys-floor` (`recsys.floor`: n independent 1/n steps at once, the best
+that n simulated devices can do on the cores they share).
 `benchmarks.common` holds what they share: one timing loop (`timing`), one float64 check
 (`reference`), one report writer (`report`). Results live in `benchmarks/results/<capability>/`
 and `benchmarks/RESULTS.md` prints, beside each, the command that reproduces it.
@@ -36,6 +38,7 @@ SUBCOMMANDS = {
     "recsys": "benchmarks.recsys.bench",
     "planner": "benchmarks.planner.bench",
     "planner-scaling": "benchmarks.planner.scaling",
+    "recsys-floor": "benchmarks.recsys.floor",
 }
 """`python -m benchmarks NAME ...` runs `main` of this module; no NAME runs `layouts`."""
 

@@ -4,7 +4,8 @@ The floors, each importing only those above it in this list (checked by `lint-im
 against `pyproject.toml`'s contracts):
 
 * base — `jaxembed.layout`, `ids`, `ragged`, `rowsharding`, `tape`, `collection` (configs and
-  stack layouts), `_native` (the C++ sources and their build), `workloads`;
+  stack layouts), `dynamic` (raw 64-bit ids and dynamic tables' configs), `quant` (row-wise
+  quantized tables), `_native` (the C++ sources and their build), `workloads`;
 * `jaxembed.rules` — the sharding rules (pure Python, no jax needed);
 * `jaxembed.plan` — what runs where, with every collective and its bytes;
 * `jaxembed.kernels` — the `shard_map` bodies that execute a plan;
@@ -41,6 +42,9 @@ _LAZY = {
     "EmbeddingPlan": "jaxembed.plan",
     "vocab_parallel_cross_entropy": "jaxembed.losses",
     "plan_cross_entropy": "jaxembed.losses",
+    "quantize": "jaxembed.quant",
+    "dequantize": "jaxembed.quant",
+    "QuantizedTable": "jaxembed.quant",
 }
 
 __all__ = [
@@ -49,11 +53,13 @@ __all__ = [
     "FeatureConfig",
     "IdStats",
     "LookupStats",
+    "QuantizedTable",
     "Ragged",
     "TableConfig",
     "__version__",
     "check_ids",
     "check_ids_fit",
+    "dequantize",
     "embedding",
     "embedding_bag",
     "from_mod_order",
@@ -63,6 +69,7 @@ __all__ = [
     "plan_cross_entropy",
     "plan_embedding",
     "plan_embedding_bag",
+    "quantize",
     "to_mod_order",
     "vocab_parallel_cross_entropy",
 ]

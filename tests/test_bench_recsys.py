@@ -176,3 +176,22 @@ def test_bad_names_raise_with_the_choices():
     with pytest.raises(ValueError, match="batch size 64 does not split over 3 devices"):
         recsys_impls.build_variant("xla", recsys.make_workload("a", quick=True), 3)
     assert recsys.main(["--workloads", "a,c", "--quick"]) == 2
+
+
+def test_floor_quick_run_times_the_split_the_mesh_and_one_device(tmp_path):
+    """`bench recsys-floor`: the split steps, the n-device step and the 1-device step, each
+    with a ratio to the last; the split share has 1/n of the batch and rows."""
+    from benchmarks.recsys import floor
+    from jaxembed import cli
+
+    out = tmp_path / "floor.json"
+    argv = ["bench", "recsys-floor", "--quick", "--workloads", "a", "--variants", "jaxembed",
+            "--repeats", "1", "--max-seconds", "0.05", "--json", str(out)]  # fmt: skip
+    assert cli.main(argv) == 0
+    rows = json.loads(out.read_text())["workloads"]["a"]
+    assert set(rows) == {"split", "jaxembed", "1 device"}, rows
+    assert rows["1 device"]["ratio_to_1_device"] == 1.0
+    for rec in rows.values():
+        assert rec["step_time_median_in_ms"] > 0 and len(rec["step_time_samples_in_ms"]) == 1
+    share = floor.split_workload(recsys.make_workload("a", quick=True), 8)
+    assert share.batch_size == 8 and share.tables[0].rows == 125

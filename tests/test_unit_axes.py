@@ -159,3 +159,19 @@ def test_collection_step_has_no_group_of_one(shape):
     for name, value in want.items():
         np.testing.assert_allclose(np.asarray(out[name], np.float64), value, rtol=1e-5,
                                    atol=1e-6)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "fn, kw, match",
+    [
+        (jaxembed.embedding, {"exchange": "route"}, "exchange must be one of"),
+        (jaxembed.embedding_bag, {"exchange": "route"}, "exchange must be one of"),
+        (jaxembed.embedding_bag, {"routed_pool": "owners"}, "routed_pool must be one of"),
+        (jaxembed.embedding_bag, {"routed_pool": "owner", "combiner": "max"}, "a max bag"),
+    ],
+)
+def test_one_device_checks_the_exchange_and_routed_pool_as_a_mesh_does(fn, kw, match):
+    """No plan is made on one device, yet a misspelt choice is an error there too."""
+    table, ids = jnp.ones((V, H)), jnp.zeros((B, L), jnp.int32)
+    with pytest.raises(ValueError, match=match):
+        fn(ids, table, **kw)

@@ -152,8 +152,7 @@ def modelled(plan: Any, budget: int) -> dict[str, Any]:
     """What the model says of a plan: step, memory and bytes per device (JSON-ready)."""
     calls = plan.calls
     fallback = sum(c.fallback_forward_bytes + c.fallback_update_bytes for c in calls)
-    again = sum(k.wire_bytes for c in calls for k in c.plan.backward
-                if k.why.startswith("the update moves"))  # fmt: skip
+    again = sum(c.ids_again_bytes for c in calls)
     return {
         "placements": dict(plan.placements),
         "row_sharding": {t.name: t.row_sharding for t in plan.table_configs

@@ -158,8 +158,8 @@ def read_rows(array: jax.Array, rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def _mesh(num_devices: int, axis_type: AxisType) -> Any:
-    return jax.make_mesh((num_devices,), ("data",), axis_types=(axis_type,))
+def _mesh(num_devices: int, axis_type: AxisType, devices: Any = None) -> Any:
+    return jax.make_mesh((num_devices,), ("data",), axis_types=(axis_type,), devices=devices)
 
 
 def _loss_and_grad_input(pooled: jax.Array, cot: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -172,11 +172,11 @@ def _loss_and_grad_input(pooled: jax.Array, cot: jax.Array) -> tuple[jax.Array, 
 
 
 def _jaxembed(workload: W.Workload, n: int, lr: float, eps: float, *, impl: str,
-              exchange: str, name: str) -> Variant:  # fmt: skip
+              exchange: str, name: str, devices: Any = None) -> Variant:  # fmt: skip
     import jaxembed
     from jaxembed.collection import FeatureConfig, TableConfig, layout_collection
 
-    mesh = _mesh(n, AxisType.Explicit)
+    mesh = _mesh(n, AxisType.Explicit, devices)
     placement = "auto" if name == "jaxembed[auto]" else "rows"
     tables = [TableConfig(t.name, t.rows, t.dim, placement=placement) for t in workload.tables]
     features = [FeatureConfig(f.name, f.table, max_ids=f.max_ids) for f in workload.features]
@@ -430,6 +430,7 @@ def build_variant(
     *,
     learning_rate: float = W.LEARNING_RATE,
     eps: float = W.EPS,
+    devices: Any = None,
 ) -> Variant:
     """One implementation of the benchmark's step on the first `num_devices` devices.
 
@@ -438,6 +439,7 @@ def build_variant(
       workload: the tables, features and batch size.
       num_devices: the mesh's size; the batch size must be a multiple of it.
       learning_rate, eps: the optimizer's.
+      devices: the mesh's devices (default: the first `num_devices`); jaxembed's variants only.
 
     Returns:
       The `Variant` (nothing is allocated yet: call `make_state`).
@@ -461,10 +463,14 @@ def build_variant(
         raise ValueError(f"batch size {workload.batch_size} does not split over {num_devices} "
                          f"devices: use a multiple of {num_devices}")  # fmt: skip
     lr, eps = learning_rate, eps
+    if devices is not None and not name.startswith("jaxembed"):
+        raise ValueError(f"{name}: devices= is for jaxembed's variants only")
     if name == "xla":
         return _xla(workload, num_devices, lr, eps)
     if name == "flax":
         return _flax(workload, num_devices, lr, eps)
     impl = "xla" if name == "jaxembed[xla]" else "auto"
     exchange = {"jaxembed[rows]": "rows", "jaxembed[routed]": "routed"}.get(name, "auto")
-    return _jaxembed(workload, num_devices, lr, eps, impl=impl, exchange=exchange, name=name)
+    return _jaxembed(
+        workload, num_devices, lr, eps, impl=impl, exchange=exchange, name=name, devices=devices
+    )

@@ -70,7 +70,11 @@ TARGETS = {
     "jaxembed_bucket_ids": "JaxembedBucketIds",
     "jaxembed_apply_rows": "JaxembedApplyRows",
     "jaxembed_bag_apply_rows": "JaxembedBagApplyRows",
+    # ... and in remap_kernels.cc (the dynamic table's remap)
+    "jaxembed_remap_lookup": "JaxembedRemapLookup",
+    "jaxembed_remap_step": "JaxembedRemapStep",
 }
+UNITS = ("embedding_kernels.cc", "remap_kernels.cc")  # compiled together into one library
 
 _BASE_FLAGS = (
     "-O3",
@@ -149,13 +153,13 @@ def _cache_key(cxx: str, include_dir: str, flags: list[str]) -> str:
 
 def _compile(cxx: str, include_dir: str, flags: list[str], target: Path) -> str | None:
     """Compiles into `target` and records its hash (both atomically); None, or why it failed."""
-    main = SOURCE_DIR / "embedding_kernels.cc"
+    units = [str(SOURCE_DIR / name) for name in UNITS]
     for pattern in (".build-*", ".record-*"):  # a killed build's (we hold the key's lock)
         for stale in target.parent.glob(pattern):
             stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [cxx, *flags, "-isystem", include_dir, f"-I{SOURCE_DIR}", str(main), "-o", tmp]
+    cmd = [cxx, *flags, "-isystem", include_dir, f"-I{SOURCE_DIR}", *units, "-o", tmp]
     try:
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=_COMPILE_TIMEOUT_S)
     except (OSError, subprocess.SubprocessError) as e:

@@ -12,7 +12,9 @@ up at the stack row
 
 so a batch of many features is one lookup (and one set of collectives) per stack, and the
 kernels see a plain block-split table. Table-wise placement is a row split of the stack whose
-shard boundaries fall on table boundaries.
+shard boundaries fall on table boundaries: each table whole on the shard whose tables have
+the fewest id slots per example so far (its device pools them: `jaxembed.kernels.tablewise`),
+the emptiest on a tie, tables taken largest first.
 """
 
 from __future__ import annotations
@@ -270,9 +272,13 @@ def layout_collection(
 
     stacks, table_placements = [], {}
     order = {"rows": 0, "table_rows": 1, "table": 2, "replicated": 3, "columns": 3}
+    slots = {t.name: 0 for t in tables}  # a table's id slots per example, over its features
+    for f in features:
+        slots[f.table] += f.max_ids or 1
     for index, ((dim, dtype, r, k), members) in enumerate(groups.items()):
         n = math.prod(sizes[a] for a in r)
         fill = [0] * n
+        load = [0] * n  # the slots of the tables placed whole on each shard
         rows_of: dict[str, int] = {}
         todo = sorted(members, key=lambda m: (order[resolved[m][0]], -by_name[m].vocab_size))
         for name in todo:
@@ -280,8 +286,9 @@ def layout_collection(
             placement, _, _, within = resolved[name]
             if placement == "rows":
                 shards = tuple(range(n))
-            elif placement == "table":
-                shards = (min(range(n), key=lambda s: (fill[s], s)),)
+            elif placement == "table":  # the least loaded shard (its owner pools its ids)
+                shards = (min(range(n), key=lambda s: (load[s], fill[s], s)),)
+                load[shards[0]] += slots[name]
             elif placement == "table_rows":
                 across = n // within
                 loads = [max(fill[p * within : (p + 1) * within]) for p in range(across)]

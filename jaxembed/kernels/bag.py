@@ -66,12 +66,14 @@ from jaxembed.kernels.reshard import apply_moves, gather
 from jaxembed.kernels.select import kernels_for
 from jaxembed.plan import EmbeddingPlan, Exchange, plan_embedding_bag
 from jaxembed.plan.exchange import operand_has_dim
+from jaxembed.plan.lookup import check_choices
 
 __all__ = [
     "Bags",
     "bag_slot_grads",
     "embedding_bag",
     "exchanged_slot_grads",
+    "local_bag",
     "moved_bags",
     "pool",
     "prepare_bags",
@@ -499,6 +501,32 @@ def _one_device_bag(bags: Bags, batch: ragged.BagBatch, weight, options: LookupO
     return run(plan, bags.operands(), weight)
 
 
+def local_bag(
+    ids: jax.Array,
+    weight: jax.Array,
+    *,
+    lengths: jax.Array | None = None,
+    per_id_weights: jax.Array | None = None,
+    combiner: str = "sum",
+    impl: str = "auto",
+) -> jax.Array:
+    """The bag lookup of one device's arrays as they are, with no mesh and no collective:
+    the body of a caller's own `shard_map` (a table-wise collection's owner pooling the table
+    it holds whole), or an unsharded lookup. Ids outside `[0, rows)` read nothing.
+
+    Args:
+      ids, lengths, per_id_weights, combiner: one device's bags, as `embedding_bag` takes them.
+      weight: the table (or shard) `[rows, H]` the ids index.
+      impl: `"auto"`, `"native"` or `"xla"`.
+
+    Returns:
+      The pooled rows, as `embedding_bag`'s.
+    """
+    bags = prepare_bags(ids, lengths, None, per_id_weights, False, check=False)
+    options = LookupOptions(combiner=combiner, impl=impl, check_ids=False, function="local_bag")
+    return _one_device_bag(bags, bags.batch(), weight, options)
+
+
 # --- the public entry point --------------------------------------------------------------------
 
 
@@ -658,6 +686,8 @@ def run_embedding_bag(bags: Bags, weight: jax.Array, options: LookupOptions) -> 
     mesh = resolve_mesh(options.mesh, weight, bags.ids)
     plan_vocab = options.vocab_of(weight.shape[0])
     if runs_on_one_device(mesh, options.x_spec, options.weight_spec, options.out_spec):
+        check_choices(options.exchange, options.routed_pool, pools=True,
+                      is_max=options.combiner == "max")  # fmt: skip
         validate_scalars(plan_vocab, options.padding_idx, weight.shape[0])
         given_ids = bags.ids
         bags = Bags(*(None if a is None else whole_on_one_device(a) for a in bags))

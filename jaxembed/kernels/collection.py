@@ -26,6 +26,14 @@ and on a sharded batch their `[B, ΣL]` array would be gathered beside the ids.
 Max-pooled features make their own call. Ids are first mapped to their stack rows
 (`TablePlacement.stack_ids`); ids outside a table's vocabulary read nothing.
 
+**Table-wise.** Under `exchange="auto"` (or `"table"`), the features of a stacked summed call
+whose tables are each whole on one shard make a call of their own, run by
+`jaxembed.kernels.tablewise`: with the batch split over the stack's row axes, each feature's
+ids go to the one device that holds its table, which pools them (and, in the update, updates
+them), and the pooled rows come back: `all_to_all`s of `[B, F_o, L]` ids and `[B, F_o, H]`
+rows, F_o the most features one device owns, where the gather exchange would send all the
+ids to every device and reduce-scatter `[B, F, H]`.
+
 **The ids' layout.** Read from the inputs where they carry it (concrete arrays, an Explicit
 mesh), else the collection's `x_sharding`. In an Auto mesh under `jit` a traced input carries
 no layout, and the collection's default is the data-parallel one: the batch split over all the
@@ -57,6 +65,7 @@ from jax.sharding import PartitionSpec as P
 from jaxembed import ragged
 from jaxembed.collection.layout import CollectionLayout, Stack, stacked_width
 from jaxembed.ids import as_ids
+from jaxembed.kernels import tablewise
 from jaxembed.kernels.arrays import (
     assumed_ids_spec,
     layout_known,
@@ -66,7 +75,7 @@ from jaxembed.kernels.arrays import (
     warn_once,
 )
 from jaxembed.kernels.bag import prepare_bags, run_embedding_bag
-from jaxembed.kernels.common import LookupStats
+from jaxembed.kernels.common import LookupStats, stats_of
 from jaxembed.kernels.options import LookupOptions
 
 __all__ = [
@@ -384,11 +393,23 @@ def collection_lookup(
     groups = groups_of(layout, batch)
     for name, value in batch.items():
         _check_ids(layout, name, value)
-    for group in groups:
+    calls = [
+        c for g in groups for c in _calls(layout, g, batch, exchange, mesh, x_spec, stacks[g.stack])
+    ]
+    for group, owners in calls:
         stack = layout.stacks[group.stack]
         ids, lengths, weights, pieces = _operands(layout, group, batch)
         table = stacks[group.stack]
         where = _where(mesh, table, ids)
+        if owners is not None:  # table-wise: each feature pooled by its table's device
+            out = tablewise.lookup(table, ids, weights, owners, where, impl=impl,
+                                   return_counts=return_stats)  # fmt: skip
+            if return_stats:
+                out, counts = out
+                call_stats = stats_of(jnp.zeros((), jnp.int32), counts)
+                stats[stack.name] = _add_stats(stats.get(stack.name), call_stats)
+            outputs.update(_split(out, pieces, group.kind))
+            continue
         ids_spec = _ids_spec(ids, stack, where, x_spec, warn=True)
         options = LookupOptions(
             vocab_size=stack.shape[0], mesh=mesh, x_spec=ids_spec,
@@ -506,8 +527,44 @@ def _to_batch_layout(out: jax.Array, stack: Stack, mesh: Any, ids, ids_spec: P |
 
 
 def _exchange(exchange: Any, stack: int) -> str:
-    """A stack's exchange: one for all, or per stack index (a `CollectionPlan`'s choice)."""
-    return exchange.get(stack, "auto") if isinstance(exchange, Mapping) else exchange
+    """A stack's exchange: one for all, or per stack index (a `CollectionPlan`'s choice);
+    `"table"` (the table-wise exchange, for the calls `_owner_map` accepts) runs the other
+    calls of its stack as `"auto"`."""
+    chosen = exchange.get(stack, "auto") if isinstance(exchange, Mapping) else exchange
+    return "auto" if chosen == "table" else chosen
+
+
+def _calls(layout: CollectionLayout, group: Group, batch, exchange: Any, mesh: Any, x_spec,
+           table: jax.Array):  # fmt: skip
+    """A group's calls, `[(group, tablewise.OwnerMap or None)]`: under `exchange="auto"` (or
+    `"table"`), the features of a dense `[B, F, L]` summed group whose tables are each whole on
+    one shard run table-wise (`jaxembed.kernels.tablewise`: their ids go to that device only),
+    where the batch is split over the stack's row axes alone and the hidden axis is whole; the
+    group's other features make a call of their own, as before."""
+    chosen = exchange.get(group.stack, "auto") if isinstance(exchange, Mapping) else exchange
+    stack = layout.stacks[group.stack]
+    if (chosen not in ("auto", "table") or group.kind != "stacked" or group.combiner != "sum"
+            or stack.hidden_axes or stack.num_shards < 2):  # fmt: skip
+        return [(group, None)]
+    features = {f.name: f for f in layout.features}
+    places = {n: layout.placement(features[n].table) for n in group.features}
+    single = tuple(n for n in group.features if len(places[n].shards) == 1)
+    if not single:
+        return [(group, None)]
+    ids = _as_input(single[0], batch[single[0]])[1]  # [B, L]: the group's batch layout
+    where = _where(mesh, table, ids)
+    if where is None or ids.shape[0] % stack.num_shards:
+        return [(group, None)]
+    spec = tuple(_ids_spec(ids, stack, where, x_spec, warn=False) or spec_of(ids, where) or ())
+    rows = next(iter(stack.spec), None)
+    if not spec or rows is None or spec[0] != rows or any(e is not None for e in spec[1:]):
+        return [(group, None)]
+    axes = (rows,) if isinstance(rows, str) else tuple(rows)
+    owners = tablewise.owner_map(tuple(places[n].shards[0] for n in single), axes,
+                                 stack.num_shards, stack.local_rows)  # fmt: skip
+    rest = tuple(n for n in group.features if n not in single)
+    calls = [(dataclasses.replace(group, features=single), owners)]
+    return calls + ([(dataclasses.replace(group, features=rest), None)] if rest else [])
 
 
 def _spec(x_spec: P | None, ids: jax.Array) -> P | None:
@@ -563,16 +620,25 @@ def collection_update(
                 "step (inputs of different forms, or max-pooled features beside summed ones): "
                 "a row that more than one of them reads gets one update per call",
             )
-    for group in groups:
+    calls = [
+        c for g in groups for c in _calls(layout, g, batch, exchange, mesh, x_spec, stacks[g.stack])
+    ]
+    for group, owners in calls:
         stack = layout.stacks[group.stack]
         ids, lengths, weights, pieces = _operands(layout, group, batch)
         out_grad = _join(group, pieces, out_grads, ids, stack)
         where = _where(mesh, stacks[group.stack], ids)
+        ids_spec = _ids_spec(ids, stack, where, x_spec, warn=False)
+        if owners is not None:  # table-wise: each table updated by the device that holds it
+            stacks[group.stack], states[group.stack] = tablewise.update(
+                optimizer, stacks[group.stack], states[group.stack], ids, weights, out_grad,
+                owners, where, impl=impl,
+            )  # fmt: skip
+            continue
         stacks[group.stack], states[group.stack] = optimizer.update(
             stacks[group.stack], states[group.stack], ids, out_grad, lengths=lengths,
             per_id_weights=weights, combiner=group.combiner, vocab_size=stack.shape[0],
-            mesh=mesh, x_spec=_ids_spec(ids, stack, where, x_spec, warn=False),
-            weight_spec=_weight_spec(stack, where),
+            mesh=mesh, x_spec=ids_spec, weight_spec=_weight_spec(stack, where),
             exchange=_exchange(exchange, group.stack), capacity_factor=capacity_factor, impl=impl,
             routed_pool=_routed_pool(routed_pool, group.combiner),
         )  # fmt: skip

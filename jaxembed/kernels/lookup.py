@@ -55,6 +55,7 @@ from jaxembed.kernels.options import LookupOptions
 from jaxembed.kernels.reshard import apply_moves, gather
 from jaxembed.kernels.select import kernels_for
 from jaxembed.plan import EmbeddingPlan, Exchange, plan_embedding
+from jaxembed.plan.lookup import check_choices
 
 # `LookupStats` and `resolve_layouts` live in `jaxembed.kernels.common`; re-exported here, where
 # `jaxembed.LookupStats` and the collections' lookup have always found them.
@@ -364,6 +365,7 @@ def run_lookup(x: jax.Array, weight: jax.Array, options: LookupOptions) -> Any:
     mesh = resolve_mesh(options.mesh, weight, x)
     plan_vocab = options.vocab_of(weight.shape[0])
     if runs_on_one_device(mesh, options.x_spec, options.weight_spec, options.out_spec):
+        check_choices(options.exchange, options.routed_pool, pools=False, is_max=False)
         validate_scalars(plan_vocab, options.padding_idx, weight.shape[0])
         check_ids_eagerly(x, plan_vocab)
         given = x

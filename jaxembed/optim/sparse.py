@@ -223,20 +223,7 @@ class RowSparseOptimizer:
         mesh = resolve_mesh(options.mesh, table, ids)
         x_spec, weight_spec = options.x_spec, options.weight_spec
         if mesh is None or (mesh.size == 1 and x_spec is None and weight_spec is None):
-            plan = self._plan(AbstractMesh((1,), ("_",)), ids, table, bags, options, P(), P(),
-                              None, "auto")  # fmt: skip
-            _check_out_grad(plan, out_grad, bags)
-            slots = tuple(state.slots[s.name] for s in self.formula.slots)
-            if ids.size == 0:
-                return table, self._state(state, slots, jnp.zeros((), jnp.int32))
-            whole = [whole_on_one_device(a) for a in (table, *slots, *operands, out_grad)]
-            (new_table, new_slots), overflow = update_body(
-                plan, self.formula, len(slots), whole[0], *whole[1 : 1 + len(slots)],
-                state.count, *whole[1 + len(slots) :],
-            )  # fmt: skip
-            new_table = typed_like(new_table, table)
-            new_slots = tuple(typed_like(n, o) for n, o in zip(new_slots, slots, strict=True))
-            return new_table, self._state(state, new_slots, overflow)
+            return self._local(table, state, ids, bags, operands, out_grad, options)
         weight_spec, x_spec = resolve_layouts(ids, table, mesh, **options.layout_kwargs())
         if weight_spec is None:
             raise ValueError(
@@ -260,6 +247,57 @@ class RowSparseOptimizer:
         (new_table, new_slots), overflow = run(
             plan, self.formula, mesh, table, slots, state.count, operands, out_grad, ct_spec
         )
+        return new_table, self._state(state, new_slots, overflow)
+
+    def local_update(
+        self,
+        table: jax.Array,
+        state: RowSparseState,
+        x: jax.Array,
+        out_grad: jax.Array,
+        *,
+        lengths: jax.Array | None = None,
+        per_id_weights: jax.Array | None = None,
+        combiner: str | None = None,
+        impl: str = "auto",
+    ) -> tuple[jax.Array, RowSparseState]:
+        """`update` of one device's arrays as they are, with no mesh and no collective: the
+        body of a caller's own `shard_map` (a table-wise collection's owner updating the
+        table it holds whole), or an unsharded update.
+
+        Args:
+          table, state: one device's table (or shard) and its state.
+          x: ids into `table`'s rows (negative: empty slots).
+          out_grad: d loss / d output of the lookup of `x` (pooled `[..., H]` for bags).
+          lengths, per_id_weights, combiner: the bag's, as `update` takes them.
+          impl: `"auto"`, `"native"` or `"xla"`.
+
+        Returns:
+          `(table, state)`.
+        """
+        is_bag = any(v is not None for v in (lengths, per_id_weights, combiner))
+        options = LookupOptions(impl=impl, combiner=(combiner or "sum") if is_bag else None,
+                                function="opt.local_update")  # fmt: skip
+        bags = prepare_bags(x, lengths, None, per_id_weights, False) if is_bag else None
+        ids = bags.ids if is_bag else as_ids(x)
+        operands = bags.operands() if is_bag else (ids,)
+        return self._local(table, state, ids, bags, operands, out_grad, options)
+
+    def _local(self, table, state, ids, bags, operands, out_grad, options):
+        """The update on one device: the arrays whole, no collective."""
+        plan = self._plan(AbstractMesh((1,), ("_",)), ids, table, bags, options, P(), P(),
+                          None, "auto")  # fmt: skip
+        _check_out_grad(plan, out_grad, bags)
+        slots = tuple(state.slots[s.name] for s in self.formula.slots)
+        if ids.size == 0:
+            return table, self._state(state, slots, jnp.zeros((), jnp.int32))
+        whole = [whole_on_one_device(a) for a in (table, *slots, *operands, out_grad)]
+        (new_table, new_slots), overflow = update_body(
+            plan, self.formula, len(slots), whole[0], *whole[1 : 1 + len(slots)],
+            state.count, *whole[1 + len(slots) :],
+        )  # fmt: skip
+        new_table = typed_like(new_table, table)
+        new_slots = tuple(typed_like(n, o) for n, o in zip(new_slots, slots, strict=True))
         return new_table, self._state(state, new_slots, overflow)
 
     def _plan(self, mesh, ids, table, bags, options, x_spec, weight_spec, out_spec,

@@ -16,6 +16,9 @@ share a stack share its collectives: one small table alone rarely pays for a cal
 own, several may); repeat until no move shortens the step (at most four passes). Largest
 first because the big tables decide most of the memory and the bytes and the small ones fill
 what is left (bin packing's rule); the later passes undo choices a later table made worse.
+The same search runs a second time from every table placed `"table"` (where that fits), and
+the faster of the two layouts wins: from there, moving the few tables that overload their
+owner back to rows is one move each.
 Table-wise tables go to the least filled shard, largest first (`layout_collection`), which
 balances the devices' memory: a stack's shards are padded to its fullest.
 """
@@ -124,7 +127,8 @@ class CollectionPlan:
         """`{stack index: exchange}` as the planned calls run them: the `exchange=` of
         `jaxembed.collection.collection_lookup` and `collection_update` (the collection
         modules read it from `placements=plan`). A stack whose calls differ is left out
-        (`"auto"` decides it); `"none"` runs as `"rows"` (nothing to exchange)."""
+        (`"auto"` decides it); `"none"` runs as `"rows"` (nothing to exchange); `"table"`
+        is the table-wise exchange (`jaxembed.kernels.tablewise`)."""
         by_stack: dict[int, set[str]] = {}
         for call in self.calls:
             by_stack.setdefault(call.stack, set()).add(
@@ -315,6 +319,15 @@ def plan_collection(
         if best.peak_bytes > budget:
             raise ValueError(_infeasible(best, budget, by_name))
     current, best = _search(auto, current, best, price, sizes, _time_key, budget)
+    # A second start: every table that can be table-wise, each looked up by its owner alone
+    # (`jaxembed.kernels.tablewise`); single moves from there reach layouts that moves from
+    # all-rows do not (the few tables that overload their owner back to rows).
+    whole = {t.name: "table" if "table" in _choices(t, sizes) else current[t.name] for t in auto}
+    start = price(whole) if whole != current else None
+    if not isinstance(start, str | None) and start.peak_bytes <= budget:
+        other, found = _search(auto, whole, start, price, sizes, _time_key, budget)
+        if (round(found.step_ms, 9), found.peak_bytes) < (round(best.step_ms, 9), best.peak_bytes):
+            current, best = other, found
     reasons = {}
     for t in auto:  # every alternative of each table, against the final layout
         results = {p: best if p == current[t.name] else price({**current, t.name: p})

@@ -103,10 +103,25 @@ class _Option:
     update_bytes: float
     out_move_bytes: tuple[float, float]
     transient_bytes: int
+    lookup_bytes: float | None = None  # the lookup's, where the plan is not its exchange's
+    again_bytes: float | None = None  # the update's second move of the ids, likewise
+
+    @property
+    def ids_again_bytes(self) -> float:
+        """The update's move of the ids (and weights) into its body again: compiled in one
+        step with the lookup, XLA may share the lookup's collectives instead."""
+        if self.again_bytes is not None:
+            return self.again_bytes
+        return float(sum(c.wire_bytes for c in self.plan.backward
+                         if c.why.startswith("the update moves")))  # fmt: skip
+
+    @property
+    def forward_bytes(self) -> float:
+        return self.plan.forward_wire_bytes if self.lookup_bytes is None else self.lookup_bytes
 
     @property
     def wire_bytes(self) -> float:
-        return self.plan.forward_wire_bytes + self.update_bytes + sum(self.out_move_bytes)
+        return self.forward_bytes + self.update_bytes + sum(self.out_move_bytes)
 
 
 def _out_move(ctx: Context, p: EmbeddingPlan) -> tuple[float, float, int]:
@@ -184,6 +199,55 @@ def _options(
     return options
 
 
+def _calls(ctx, layout, stack, whole, combiner):
+    """The calls the collection makes of one stack's features of one combiner, as
+    `jaxembed.kernels.collection` splits them: `[(features, stacked, table-wise)]`. A dense
+    summed group's features whose tables are each whole on one shard make a table-wise call
+    of their own (on a stack split over the batch's axes, the hidden axis whole)."""
+    stacked = all(f.pooled for f in whole) and stacked_width(
+        [f.max_ids or 1 for f in whole]) is not None  # fmt: skip
+    if (not stacked or combiner != "sum" or stack.hidden_axes or stack.num_shards < 2
+            or tuple(stack.row_axes) != tuple(ctx.batch_axes)):  # fmt: skip
+        return [(whole, stacked, False)]
+    single = [f for f in whole if len(layout.placement(f.table).shards) == 1]
+    rest = [f for f in whole if len(layout.placement(f.table).shards) != 1]
+    if not single:
+        return [(whole, stacked, False)]
+    return [(single, True, True)] + ([(rest, True, False)] if rest else [])
+
+
+def _tablewise_option(ctx, layout, stack, group, width, weighted, options) -> _Option:
+    """The table-wise exchange of a call (`jaxembed.kernels.tablewise`) that `_calls` made:
+    a stacked summed call whose tables are each whole on one shard. Each feature's ids (and
+    factors) go to its table's device in one `all_to_all`, the pooled rows come back in
+    another; the update sends the ids again and the output gradients. The busiest owner walks
+    `batch · F_o · L` slots (F_o: the most features one device owns)."""
+    owners = [layout.placement(f.table).shards for f in group]
+    held: dict[int, int] = {}
+    for (o,) in owners:
+        held[o] = held.get(o, 0) + 1
+    n, f_o, b = stack.num_shards, max(held.values()), ctx.batch_size
+    itemsize = np.dtype(stack.dtype).itemsize
+    ids = b * f_o * width * 4  # each owner's [B, F_o, L], per device
+    out = b * f_o * stack.dim * itemsize  # each owner's pooled [B, F_o, H] (and its gradient)
+    ids_again = sum(cost.ring_wire_bytes("all-to-all", n, r) for r in (ids, ids * weighted))
+    one_way = ids_again + cost.ring_wire_bytes("all-to-all", n, out)
+    collectives = 2 * (2 + int(weighted))
+    base = next(iter(options.values()))
+    impl = base.plan.impl
+    slots = b * f_o * width
+    seconds = cost.modelled_seconds(
+        cost.load_constants(ctx.constants.backend, impl), wire_bytes=2 * one_way,
+        rows=2 * slots, row_bytes=stack.dim * itemsize, collectives=collectives,
+        sorted_ids=slots,
+    )  # fmt: skip
+    return _Option(  # its plan: the gather path's, the layouts and memory it shares
+        name="table", plan=base.plan, ms=seconds * 1e3, update_bytes=one_way,
+        out_move_bytes=(0.0, 0.0), transient_bytes=2 * ids * (2 if weighted else 1) + 2 * out,
+        lookup_bytes=one_way, again_bytes=ids_again,
+    )  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class CallCost:
     """One `embedding_bag` call of a layout, as modelled.
@@ -209,6 +273,8 @@ class CallCost:
         and exchange buffers.
       options: `((exchange, modelled ms), ...)` of every exchange weighed.
       note: why an exchange was charged more (a routed overflow), or "".
+      ids_again_bytes: of `update_bytes`, the update's move of the ids (and weights) into its
+        body again, which XLA may share with the lookup's when both are in one step.
       fallback_forward_bytes, fallback_update_bytes: (properties) the routed fallback's.
     """
 
@@ -229,6 +295,7 @@ class CallCost:
     transient_bytes: int
     options: tuple[tuple[str, float], ...]
     note: str
+    ids_again_bytes: float = 0.0
 
     @property
     def wire_bytes(self) -> float:
@@ -362,56 +429,62 @@ def evaluate(
             table_bytes[name] = int(held.max() * (row_bytes + state_row))
         members = [f for f in features if layout.placement(f.table).stack == stack.index]
         for combiner in ("sum", "max"):
-            group = [f for f in members if (f.combiner == "max") == (combiner == "max")]
-            if not group:
+            whole = [f for f in members if (f.combiner == "max") == (combiner == "max")]
+            if not whole:
                 continue
-            widths = [f.max_ids or 1 for f in group]
-            width = stacked_width(widths) if all(f.pooled for f in group) else None
-            if width is not None:  # as the lookup stacks them: [B, F, L], the dense form
-                per_slot, num_bags = len(group) * width, len(group)
-                x_shape = (ctx.batch_size, len(group), width)
-            else:
-                per_slot = sum(widths)
-                num_bags = sum(1 if f.pooled else (f.max_ids or 1) for f in group)
-                x_shape = (ctx.batch_size, per_slot)
-            weighted = _weighted(combiner, group)
-            options = _options(ctx, x_shape, stack, num_bags, combiner, width is not None, weighted)
-            ids_of: dict[str, float] = {}
-            for f in group:
-                ids_of[f.table] = ids_of.get(f.table, 0.0) + ctx.mean_ids(f)
-            costs, notes = {}, {}
-            for name, o in options.items():
-                costs[name] = o.ms
-                if name == "routed" and "none" in options:
-                    why = _routed_overflow(ctx, o, stack, ids_of, layout, by_table, per_slot)
-                    if why:  # the flag's all-reduce, then the gather path
-                        costs[name] = options["none"].ms + ctx.constants.latency_s * 1e3
-                        notes[name] = why
-            best = min(options, key=lambda n: (costs[n], options[n].wire_bytes))
-            o = options[best]
-            rows = np.zeros(n_dev)
-            for name, ids_per_example in ids_of.items():
-                t = by_table[name]
-                distinct = distinct_draws(ctx.batch_size * ids_per_example, ctx.vocab_eff(t))
-                rows += distinct * _shares(ctx, t, layout, stack)[shards]
-            memory_rate = cost.load_constants(ctx.constants.backend, o.plan.impl + (
-                "-dedup" if o.plan.impl == "native" and stack.hidden_axes else ""
-            )).memory_bytes_per_s  # the kernels that update this stack's rows  # fmt: skip
-            update = rows * state_row * 2 / memory_rate * 1e3
-            update_total += update
-            out_bytes = (ctx.batch_size // math.prod(ctx.sizes[a] for a in ctx.batch_axes)
-                         * num_bags * stack.dim * np.dtype(stack.dtype).itemsize)  # fmt: skip
-            calls.append(CallCost(
-                stack=stack.index, stack_name=stack.name,
-                features=tuple(f.name for f in group), combiner=combiner,
-                x_shape=x_shape, num_bags=num_bags, exchange=best, plan=o.plan,
-                forward_bytes=o.plan.forward_wire_bytes, update_bytes=o.update_bytes,
-                out_move_bytes=o.out_move_bytes, modelled_ms=costs[best],
-                update_ms=tuple(float(u) for u in update), activation_bytes=2 * out_bytes,
-                transient_bytes=o.transient_bytes,
-                options=tuple((n, costs[n]) for n in options),
-                note="; ".join(notes.values()),
-            ))  # fmt: skip
+            for group, stacked, table_wise in _calls(ctx, layout, stack, whole, combiner):
+                widths = [f.max_ids or 1 for f in group]
+                width = max(widths) if stacked else None
+                if width is not None:  # as the lookup stacks them: [B, F, L], the dense form
+                    per_slot, num_bags = len(group) * width, len(group)
+                    x_shape = (ctx.batch_size, len(group), width)
+                else:
+                    per_slot = sum(widths)
+                    num_bags = sum(1 if f.pooled else (f.max_ids or 1) for f in group)
+                    x_shape = (ctx.batch_size, per_slot)
+                weighted = _weighted(combiner, group)
+                options = _options(
+                    ctx, x_shape, stack, num_bags, combiner, width is not None, weighted
+                )
+                ids_of: dict[str, float] = {}
+                for f in group:
+                    ids_of[f.table] = ids_of.get(f.table, 0.0) + ctx.mean_ids(f)
+                if table_wise:  # the call of the table-placed features: table-wise only
+                    options = {"table": _tablewise_option(ctx, layout, stack, group, width,
+                                                          weighted, options)}  # fmt: skip
+                costs, notes = {}, {}
+                for name, o in options.items():
+                    costs[name] = o.ms
+                    if name == "routed" and "none" in options:
+                        why = _routed_overflow(ctx, o, stack, ids_of, layout, by_table, per_slot)
+                        if why:  # the flag's all-reduce, then the gather path
+                            costs[name] = options["none"].ms + ctx.constants.latency_s * 1e3
+                            notes[name] = why
+                best = min(options, key=lambda n: (costs[n], options[n].wire_bytes))
+                o = options[best]
+                rows = np.zeros(n_dev)
+                for name, ids_per_example in ids_of.items():
+                    t = by_table[name]
+                    distinct = distinct_draws(ctx.batch_size * ids_per_example, ctx.vocab_eff(t))
+                    rows += distinct * _shares(ctx, t, layout, stack)[shards]
+                memory_rate = cost.load_constants(ctx.constants.backend, o.plan.impl + (
+                    "-dedup" if o.plan.impl == "native" and stack.hidden_axes else ""
+                )).memory_bytes_per_s  # the kernels that update this stack's rows  # fmt: skip
+                update = rows * state_row * 2 / memory_rate * 1e3
+                update_total += update
+                out_bytes = (ctx.batch_size // math.prod(ctx.sizes[a] for a in ctx.batch_axes)
+                             * num_bags * stack.dim * np.dtype(stack.dtype).itemsize)  # fmt: skip
+                calls.append(CallCost(
+                    stack=stack.index, stack_name=stack.name,
+                    features=tuple(f.name for f in group), combiner=combiner,
+                    x_shape=x_shape, num_bags=num_bags, exchange=best, plan=o.plan,
+                    forward_bytes=o.forward_bytes, update_bytes=o.update_bytes,
+                    out_move_bytes=o.out_move_bytes, modelled_ms=costs[best],
+                    update_ms=tuple(float(u) for u in update), activation_bytes=2 * out_bytes,
+                    transient_bytes=o.transient_bytes,
+                    options=tuple((n, costs[n]) for n in options),
+                    note="; ".join(notes.values()), ids_again_bytes=o.ids_again_bytes,
+                ))  # fmt: skip
     buffers = sum(c.activation_bytes for c in calls) + max(
         (c.transient_bytes for c in calls), default=0
     )

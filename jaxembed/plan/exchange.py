@@ -111,12 +111,16 @@ def choose_exchange(
     base_count = fwd_count + len(transposes)
     nb = prod(g.batch_axes, g.sizes)
 
+    # An update deduplicates what it scatters: XLA's sort takes every slot (the masked ones
+    # as a sentinel), the native dedup only the slots this shard owns.
+    dedup_share = share if impl in ("native", "native-dedup") else 1.0
+
     def candidate(name, collectives, gathered, scattered, extra_rows, why):
         wire = base_bytes + sum(c.wire_bytes for c in collectives)
         seconds = cost.modelled_seconds(
             constants, wire_bytes=wire, rows=(gathered + scattered) * share + extra_rows,
             row_bytes=row_bytes, collectives=base_count + len(collectives),
-            sorted_ids=scattered if update else 0,  # an update deduplicates what it scatters
+            sorted_ids=scattered * dedup_share if update else 0,
         )  # fmt: skip
         return ExchangeCandidate(name, wire, gathered, scattered, seconds * 1e3, why)
 

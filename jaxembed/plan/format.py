@@ -91,6 +91,17 @@ def format_plan(plan: EmbeddingPlan) -> str:
                 f"  {mark}{c.name:<10}{format_bytes(c.wire_bytes):>12}{c.rows_gathered:>15}"
                 f"{c.rows_scattered:>16}{c.modelled_ms:>13.3f}"
             )
+    r = plan.routed
+    if plan.exchange == "routed" and r is not None:
+        where = "the owners pool each bag's slots" if r.pooled_at_owner else (
+            "each distinct id's row comes back and the source pools")  # fmt: skip
+        lines.append(
+            f"  routed over {r.axes}: {r.num_buckets} owners, capacity {r.capacity} a bucket "
+            f"({r.capacity_factor:.2f}x the mean), {r.slots} slots a device; {where}"
+        )
+        for variant, wire, ms in r.pool_costs:
+            mark = "*" if (variant == "owner") == r.pooled_at_owner else " "
+            lines.append(f"  {mark}pooled at {variant:<7}{format_bytes(wire):>12}{ms:>13.3f} ms")
     if plan.for_update:
         lines.append(
             f"  row-sparse update: the backward's collectives; each device updates at most "

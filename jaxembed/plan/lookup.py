@@ -86,6 +86,7 @@ __all__ = [
     "LookupCollectives",
     "LookupLayout",
     "PlanRequest",
+    "check_choices",
     "choose_lookup_exchange",
     "lookup_collectives",
     "lookup_layout",
@@ -532,19 +533,36 @@ def plan_request(req: PlanRequest) -> EmbeddingPlan:
 # --- step 1: validate, and the layouts -------------------------------------------------------
 
 
-def validate_request(req: PlanRequest) -> tuple[tuple[str, ...], tuple[str, ...], int, list]:
-    """Checks the options, the table and the ids: `(R, K, vocab_size, the ids' entries)`."""
-    names, sizes = req.names, req.sizes
-    if req.exchange not in _EXCHANGES:
-        raise ValueError(f"exchange must be one of {_EXCHANGES}, got {req.exchange!r}")
-    if req.routed_pool not in _ROUTED_POOLS:
-        raise ValueError(f"routed_pool must be one of {_ROUTED_POOLS}, got {req.routed_pool!r}")
-    if req.routed_pool == "owner" and (req.bag is None or req.is_max):
-        what = "a max bag" if req.is_max else "a lookup that pools nothing"
+def check_choices(exchange: str, routed_pool: str, *, pools: bool, is_max: bool) -> None:
+    """Checks `exchange` and `routed_pool` (also where no plan is made: one device).
+
+    Raises:
+      ValueError: an unknown value, or `routed_pool="owner"` for a lookup that pools nothing
+        or a max bag.
+
+    Examples:
+      >>> check_choices("routed", "owner", pools=True, is_max=False)
+      >>> check_choices("route", "auto", pools=True, is_max=False)
+      Traceback (most recent call last):
+      ...
+      ValueError: exchange must be one of ('auto', 'dense', 'rows', 'routed'), got 'route'
+    """
+    if exchange not in _EXCHANGES:
+        raise ValueError(f"exchange must be one of {_EXCHANGES}, got {exchange!r}")
+    if routed_pool not in _ROUTED_POOLS:
+        raise ValueError(f"routed_pool must be one of {_ROUTED_POOLS}, got {routed_pool!r}")
+    if routed_pool == "owner" and (not pools or is_max):
+        what = "a max bag" if is_max else "a lookup that pools nothing"
         raise ValueError(
             f"routed_pool='owner' pools partial sums at the rows' owners, which {what} does "
             "not have: pass routed_pool='auto' (or 'source')"
         )
+
+
+def validate_request(req: PlanRequest) -> tuple[tuple[str, ...], tuple[str, ...], int, list]:
+    """Checks the options, the table and the ids: `(R, K, vocab_size, the ids' entries)`."""
+    names, sizes = req.names, req.sizes
+    check_choices(req.exchange, req.routed_pool, pools=req.bag is not None, is_max=req.is_max)
     if req.row_sharding not in ("block", "mod"):
         raise ValueError(f"row_sharding must be 'block' or 'mod', got {req.row_sharding!r}")
     row_axes, hidden_axes = table_layout(req.weight_shape, req.weight_spec, names, sizes)

@@ -1,0 +1,108 @@
+"""Native CPU twins of the dynamic table's remap: `lookup` and `step` as XLA FFI custom calls.
+
+Same signatures, same checks and the same results, bitwise, as `jaxembed.kernels.remap`
+(XLA), whose decisions `jaxembed.dynamic.reference` states one id at a time. The C++ is
+`jaxembed/_native/remap_kernels.cc`, compiled with the other native kernels into one library on
+first use (`jaxembed._native.build`): where XLA sorts every id twice, it hashes the batch's ids
+into an open-addressing table (O(M)) and sorts only the candidates for a row.
+
+    native              XLA twin
+    lookup              remap.lookup
+    step                remap.step   (the state's five arrays aliased to the new state's)
+
+Without a compiler (or with `JAXEMBED_NATIVE=0`) `available()` is False and calling these
+raises RuntimeError, as `jaxembed.kernels.native` does; the XLA twins always run.
+
+Examples:
+  >>> import numpy as np
+  >>> from jaxembed.dynamic.config import DynamicTableConfig
+  >>> from jaxembed.dynamic.keys import as_keys
+  >>> from jaxembed.kernels import remap, remap_native
+  >>> impl = remap_native if remap_native.available() else remap
+  >>> cfg = DynamicTableConfig(capacity=64, bucket_size=8)
+  >>> out = impl.step(cfg, remap.init_state(cfg), as_keys(np.array([3, 9, 3], np.int64)), 0)
+  >>> out.found.tolist(), int(out.stats.admitted)
+  ([True, True, True], 2)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxembed.dynamic.config import POLICIES, DynamicState, DynamicTableConfig, StepStats
+from jaxembed.dynamic.keys import as_keys
+from jaxembed.kernels import native
+from jaxembed.kernels.remap import StepResult, check_state, check_step_index
+
+__all__ = ["available", "lookup", "step"]
+
+available = native.available
+
+
+def lookup(
+    config: DynamicTableConfig, state: DynamicState, ids: Any
+) -> tuple[jax.Array, jax.Array]:
+    """`jaxembed.kernels.remap.lookup` (same arguments, same results, bitwise) in C++: each
+    id's row (capacity where none) and whether it has one.
+
+    Raises:
+      TypeError, ValueError: as the XLA twin; RuntimeError: the native kernels are unavailable.
+    """
+    check_state(config, state)
+    threads = native._require("remap_lookup")
+    keys = as_keys(ids)
+    batch = keys.shape[:-1]
+    flat = keys.reshape(-1, 2)  # uint32[M, 2]
+    m = flat.shape[0]
+    out = (jax.ShapeDtypeStruct((m,), jnp.int32), jax.ShapeDtypeStruct((m,), jnp.bool_))
+    rows, found = native._call("jaxembed_remap_lookup", out, flat, state.keys,
+                               bucket_size=np.int64(config.bucket_size),
+                               seed=np.int64(config.seed), num_threads=threads)  # fmt: skip
+    return rows.reshape(batch), found.reshape(batch)
+
+
+def step(config: DynamicTableConfig, state: DynamicState, ids: Any, step_index: Any) -> StepResult:
+    """`jaxembed.kernels.remap.step` (same arguments, same results, bitwise) in C++.
+
+    The five state arrays are aliased to the new state's: under `jax.jit` with the state
+    donated (`donate_argnums`) the step writes them in place, with no copy.
+
+    Raises:
+      TypeError, ValueError: as the XLA twin; RuntimeError: the native kernels are unavailable.
+    """
+    check_state(config, state)
+    t = check_step_index(step_index)
+    threads = native._require("remap_step")
+    keys = as_keys(ids)
+    batch = keys.shape[:-1]
+    flat = keys.reshape(-1, 2)  # uint32[M, 2]
+    m = flat.shape[0]
+    like = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
+    out = (
+        *(like(a.shape, a.dtype) for a in state),
+        like((m,), jnp.int32),  # rows
+        like((m,), jnp.bool_),  # found
+        like((6,), jnp.int32),  # stats
+        like((m,), jnp.int32),  # reset_rows
+        like((m, 2), jnp.uint32),  # evicted_keys
+    )
+    aliases = {2 + k: k for k in range(len(state))}  # operands: ids, t, then the state
+    res = native._call(
+        "jaxembed_remap_step", out, flat, t, *state, aliases=aliases,
+        bucket_size=np.int64(config.bucket_size),
+        admit_after=np.int64(config.admit_after),
+        policy=np.int64(POLICIES.index(config.policy)),
+        ttl_steps=np.int64(config.ttl_steps or 0),
+        sketch_window=np.int64(config.sketch_window),
+        seed=np.int64(config.seed),
+        num_threads=threads,
+    )  # fmt: skip
+    new_state = DynamicState(*res[:5])
+    rows, found, stats, reset_rows, evicted_keys = res[5:]
+    return StepResult(new_state, rows.reshape(batch), found.reshape(batch),
+                      StepStats(*(stats[k] for k in range(6))), reset_rows,
+                      evicted_keys)  # fmt: skip
