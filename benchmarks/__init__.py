@@ -4,6 +4,7 @@
     python -m benchmarks sparse --quick          # or bags, routed, recsys, planner
     python -m benchmarks planner-scaling         # the plans' strong scaling, no devices
     python -m benchmarks recsys-floor            # n devices' best case on these cores
+    python -m benchmarks recsys-processes        # 2 processes x 1 device against 1 x 1
     python -m benchmarks --calibrate             # the cost model's CPU constants
     jaxembed bench ...                           # the same, from a checkout
 
@@ -39,6 +40,7 @@ SUBCOMMANDS = {
     "planner": "benchmarks.planner.bench",
     "planner-scaling": "benchmarks.planner.scaling",
     "recsys-floor": "benchmarks.recsys.floor",
+    "recsys-processes": "benchmarks.recsys.processes",
 }
 """`python -m benchmarks NAME ...` runs `main` of this module; no NAME runs `layouts`."""
 
