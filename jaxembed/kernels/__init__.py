@@ -13,7 +13,12 @@
   chooses between them (`kernels_for`);
 * `jaxembed.kernels.arrays`: where arrays are laid out, and what is assumed when unseen;
 * `jaxembed.kernels.collection`: a collection's lookup and update (one bag call per stack);
-* `jaxembed.kernels.cross_entropy`: the vocab-parallel cross-entropy's bodies.
+* `jaxembed.kernels.tablewise`: a collection's table-wise calls (each feature's ids only to
+  the device that holds its table; an optimizer reaches it as a value, `local_update`);
+* `jaxembed.kernels.cross_entropy`: the vocab-parallel cross-entropy's bodies;
+* `jaxembed.kernels.remap`, `jaxembed.kernels.remap_native`: a dynamic table's remap (raw
+  64-bit id to row, admission, eviction), XLA and its C++ twin;
+* `jaxembed.kernels.quant`: gathers and pooled sums on a row-wise quantized shard (XLA).
 
 Imports go one way: `select` -> `native`, `local`; `sparse` -> `local`; `native` ->
 `jaxembed._native` only. Nothing here imports `jaxembed.optim` (which imports the kernels):
