@@ -1,7 +1,8 @@
 """The native CPU kernels' C++ sources and their build and loader (floor 0: no jaxembed import).
 
-`embedding_kernels.cc` (with `common.h`, `formulas.h`) holds the shard-local kernels as XLA FFI
-handlers, `remap_kernels.cc` the dynamic table's remap (`jaxembed.kernels.remap_native`);
+`embedding_kernels.cc` (with `common.h`, `ffi_checks.h`, `formulas.h`) holds the shard-local
+kernels as XLA FFI handlers, `remap_kernels.cc` the dynamic table's remap
+(`jaxembed.kernels.remap_native`);
 `build` compiles them on first use, keeps a verified cache and registers the FFI targets.
 The Python twins that call them are in `jaxembed.kernels.native`; the plan asks here whether
 they can run (`available`, `supports_dtype`) without importing any kernel.

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "common.h"
+#include "ffi_checks.h"
 #include "formulas.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -70,16 +71,6 @@ namespace jaxembed {
 namespace {
 
 // ---- checks ---------------------------------------------------------------------------------
-
-std::string Dims(ffi::AnyBuffer::Dimensions d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
-
-ffi::Error Invalid(const char* kernel, const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string("jaxembed native ") + kernel + ": " + what);
-}
 
 ffi::Error CheckThreads(const char* kernel, int64_t num_threads) {
   if (num_threads < 1 || num_threads > 1024) {
@@ -128,16 +119,6 @@ ffi::Error CheckSlots(const char* kernel, ffi::Buffer<ffi::S32> local, ffi::Buff
   if (scale)
     if (auto e = same("scale", scale->dimensions()); e.failure()) return e;
   return ffi::Error::Success();
-}
-
-ffi::Error CheckShape(const char* kernel, const char* name, ffi::AnyBuffer::Dimensions got,
-                      std::vector<int64_t> want) {
-  bool ok = got.size() == want.size();
-  for (size_t i = 0; ok && i < want.size(); ++i) ok = got[i] == want[i];
-  if (ok) return ffi::Error::Success();
-  std::string w = "[";
-  for (size_t i = 0; i < want.size(); ++i) w += (i ? ", " : "") + std::to_string(want[i]);
-  return Invalid(kernel, std::string(name) + " has shape " + Dims(got) + ", expected " + w + "]");
 }
 
 // Runs f.template operator()<T>() with T the C++ type of a float32 / bfloat16 buffer.
@@ -994,24 +975,6 @@ ffi::Error BagApplyRowsImpl(ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32>
   });
   return result;
 }
-
-// A handler never lets a C++ exception (std::bad_alloc of the scratch arrays) cross into XLA:
-// it becomes an ffi::Error.
-template <auto Fn>
-struct Safe;
-template <class... Args, ffi::Error (*Fn)(Args...)>
-struct Safe<Fn> {
-  static ffi::Error Call(Args... args) {
-    try {
-      return Fn(std::move(args)...);
-    } catch (const std::bad_alloc&) {
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        "jaxembed native kernel: out of memory for its scratch arrays");
-    } catch (const std::exception& e) {
-      return ffi::Error::Internal(std::string("jaxembed native kernel: ") + e.what());
-    }
-  }
-};
 
 }  // namespace
 }  // namespace jaxembed

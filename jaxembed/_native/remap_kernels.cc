@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "common.h"
+#include "ffi_checks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -98,26 +99,6 @@ inline int32_t SaturatingAdd(int32_t a, int32_t b) {
 }
 
 // ---- checks ---------------------------------------------------------------------------------
-
-std::string Dims(ffi::AnyBuffer::Dimensions d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
-
-ffi::Error Invalid(const char* kernel, const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string("jaxembed native ") + kernel + ": " + what);
-}
-
-ffi::Error CheckShape(const char* kernel, const char* name, ffi::AnyBuffer::Dimensions got,
-                      std::vector<int64_t> want) {
-  bool ok = got.size() == want.size();
-  for (size_t i = 0; ok && i < want.size(); ++i) ok = got[i] == want[i];
-  if (ok) return ffi::Error::Success();
-  std::string w = "[";
-  for (size_t i = 0; i < want.size(); ++i) w += (i ? ", " : "") + std::to_string(want[i]);
-  return Invalid(kernel, std::string(name) + " has shape " + Dims(got) + ", expected " + w + "]");
-}
 
 // The table's geometry, checked: C rows in buckets of S.
 struct Table {
@@ -582,23 +563,6 @@ ffi::Error RemapStepImpl(ffi::Buffer<ffi::U32> ids, ffi::Buffer<ffi::S32> step_i
   stats[5] = reserved;
   return ffi::Error::Success();
 }
-
-// ffi::Error for exceptions (bad_alloc of the scratch arrays): never abort the process.
-template <auto Fn>
-struct Safe;
-template <class... Args, ffi::Error (*Fn)(Args...)>
-struct Safe<Fn> {
-  static ffi::Error Call(Args... args) {
-    try {
-      return Fn(std::move(args)...);
-    } catch (const std::bad_alloc&) {
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        "jaxembed native remap: out of memory for its scratch arrays");
-    } catch (const std::exception& e) {
-      return ffi::Error::Internal(std::string("jaxembed native remap: ") + e.what());
-    }
-  }
-};
 
 }  // namespace
 }  // namespace jaxembed
