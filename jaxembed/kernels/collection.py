@@ -526,11 +526,15 @@ def _to_batch_layout(out: jax.Array, stack: Stack, mesh: Any, ids, ids_spec: P |
     return move(out, mesh, P(*lead, *(None,) * (out.ndim - len(lead))))
 
 
+def _requested(exchange: Any, stack: int) -> str:
+    """A stack's exchange as asked: one for all, or per stack index (a `CollectionPlan`'s)."""
+    return exchange.get(stack, "auto") if isinstance(exchange, Mapping) else exchange
+
+
 def _exchange(exchange: Any, stack: int) -> str:
-    """A stack's exchange: one for all, or per stack index (a `CollectionPlan`'s choice);
-    `"table"` (the table-wise exchange, for the calls `_owner_map` accepts) runs the other
-    calls of its stack as `"auto"`."""
-    chosen = exchange.get(stack, "auto") if isinstance(exchange, Mapping) else exchange
+    """The exchange a stack's bag calls run: `"table"` (the table-wise exchange, for the calls
+    `_calls` gives to `jaxembed.kernels.tablewise`) runs its other calls as `"auto"`."""
+    chosen = _requested(exchange, stack)
     return "auto" if chosen == "table" else chosen
 
 
@@ -541,10 +545,9 @@ def _calls(layout: CollectionLayout, group: Group, batch, exchange: Any, mesh: A
     one shard run table-wise (`jaxembed.kernels.tablewise`: their ids go to that device only),
     where the batch is split over the stack's row axes alone and the hidden axis is whole; the
     group's other features make a call of their own, as before."""
-    chosen = exchange.get(group.stack, "auto") if isinstance(exchange, Mapping) else exchange
     stack = layout.stacks[group.stack]
-    if (chosen not in ("auto", "table") or group.kind != "stacked" or group.combiner != "sum"
-            or stack.hidden_axes or stack.num_shards < 2):  # fmt: skip
+    if (_requested(exchange, group.stack) not in ("auto", "table") or group.kind != "stacked"
+            or group.combiner != "sum" or stack.hidden_axes or stack.num_shards < 2):  # fmt: skip
         return [(group, None)]
     features = {f.name: f for f in layout.features}
     places = {n: layout.placement(features[n].table) for n in group.features}
