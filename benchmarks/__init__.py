@@ -41,6 +41,7 @@ SUBCOMMANDS = {
     "planner-scaling": "benchmarks.planner.scaling",
     "recsys-floor": "benchmarks.recsys.floor",
     "recsys-processes": "benchmarks.recsys.processes",
+    "serving": "benchmarks.serving.latency",
 }
 """`python -m benchmarks NAME ...` runs `main` of this module; no NAME runs `layouts`."""
 

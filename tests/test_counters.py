@@ -115,3 +115,70 @@ def test_collection_counts_per_stack():
     slots = B * (4 + 2) + B * 3
     np.testing.assert_array_equal(stats[name].slots, np.full(N, slots))
     assert int(stats[name].rows.sum()) == slots  # every slot read once, by its owner
+
+
+def _distinct_owned(ids):
+    """Per device, the distinct rows of `ids` it holds: the rows its update writes."""
+    return [len(np.unique(o)) for o in _owned(ids)]
+
+
+@pytest.mark.parametrize("exchange", ["rows", "routed"])
+@pytest.mark.parametrize("bag", [False, True])
+def test_update_counts_the_distinct_rows_each_device_writes(exchange, bag):
+    mesh, table, ids, t, x = _setup(seed=1)
+    opt = jaxembed.optim.sgd(0.1)
+    state = opt.init(t)
+    out_grad = np.ones((B, H) if bag else (B, L, H), np.float32)
+    kw = {"combiner": "sum"} if bag else {}
+
+    def step(t, state, x, g):
+        return opt.update(t, state, x, g, exchange=exchange, capacity_factor=4.0,
+                          return_stats=True, **kw)  # fmt: skip
+
+    with jax.set_mesh(mesh):
+        g = jax.device_put(out_grad, NamedSharding(mesh, P("x")))
+        new, _, stats = jax.jit(step)(t, state, x, g)
+    np.testing.assert_array_equal(stats.rows, _distinct_owned(ids))
+    # The counted rows are the rows that changed, and no other.
+    changed = np.any(np.asarray(new) != table, axis=1).reshape(N, -1).sum(1)
+    np.testing.assert_array_equal(changed, _distinct_owned(ids))
+    # One device: the whole table's distinct rows, once.
+    _, _, one = opt.update(jnp.asarray(table), opt.init(jnp.asarray(table)), jnp.asarray(ids),
+                           jnp.asarray(out_grad), return_stats=True, **kw)  # fmt: skip
+    np.testing.assert_array_equal(one.rows, [len(np.unique(ids[ids >= 0]))])
+
+
+def test_collection_update_counts_table_wise_and_row_wise_stacks():
+    from jaxembed.collection import FeatureConfig, TableConfig, collection_update, layout_collection
+
+    mesh = jax.make_mesh((N,), ("x",))
+    tables = [TableConfig("a", 64, 8, placement="rows")] + [
+        TableConfig(f"t{i}", 16, 4, placement="table") for i in range(N)
+    ]
+    features = [FeatureConfig("fa", "a", max_ids=4)] + [
+        FeatureConfig(f"f{i}", f"t{i}", max_ids=3) for i in range(N)
+    ]
+    layout = layout_collection(tables, features, mesh)
+    rng = np.random.default_rng(2)
+    batch = {"fa": rng.integers(0, 64, (B, 4))}
+    batch |= {f"f{i}": rng.integers(0, 16, (B, 3)) for i in range(N)}
+    data = NamedSharding(mesh, P("x"))
+    dev = {k: jax.device_put(v.astype(np.int32), data) for k, v in batch.items()}
+    stacks = {s.index: jax.device_put(jnp.zeros(s.shape), NamedSharding(mesh, s.spec))
+              for s in layout.stacks}  # fmt: skip
+    opt = jaxembed.optim.sgd(0.1)
+    states = {i: opt.init(s) for i, s in stacks.items()}
+    grads = {k: jax.device_put(np.ones((B, 8 if k == "fa" else 4), np.float32), data)
+             for k in batch}  # fmt: skip
+    with jax.set_mesh(mesh):
+        _, _, stats = jax.jit(lambda st, ss, b, g: collection_update(
+            layout, opt, st, ss, b, g, return_stats=True))(stacks, states, dev, grads)  # fmt: skip
+    by_table = {s.tables[0]: stats[s.name] for s in layout.stacks}
+    np.testing.assert_array_equal(by_table["a"].rows, _distinct_owned(batch["fa"]))
+    # Table-wise: each table's distinct rows are written by the one device holding it.
+    (wise,) = {s.name for s in layout.stacks if s.tables[0] != "a"}
+    owner = {t: layout.placement(t).shards[0] for t in (f"t{i}" for i in range(N))}
+    want = np.zeros(N, int)
+    for i in range(N):
+        want[owner[f"t{i}"]] += len(np.unique(batch[f"f{i}"]))
+    np.testing.assert_array_equal(stats[wise].rows, want)

@@ -110,7 +110,7 @@ def test_nnx_step_equals_the_hand_made_one():
     assert model.embed.embedding.sharding.spec == P("model", None)
 
 
-def test_nnx_training_lowers_the_loss_and_checkpoints():
+def test_nnx_training_lowers_the_loss_and_checkpoints(tmp_path):
     import orbax.checkpoint as ocp
 
     mesh = jax.make_mesh((2, 4), ("data", "model"))
@@ -135,7 +135,7 @@ def test_nnx_training_lowers_the_loss_and_checkpoints():
             "coll": model.coll.export_optimizer(sparse.states["coll"]),
             "tables": model.coll.tables(),
         }
-        path = ocp.test_utils.erase_and_create_empty("/tmp/jaxembed_test_training_ckpt")
+        path = ocp.test_utils.erase_and_create_empty(tmp_path / "ckpt")
         with ocp.StandardCheckpointer() as ckpt:
             ckpt.save(path / "state", exported)
     # Restore onto another mesh and placement: the same tables and states, in the new layout.

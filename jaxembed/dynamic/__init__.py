@@ -12,7 +12,8 @@ bucket is full (DESIGN.md, "Dynamic tables, serving, and work that divides by th
   kernels are checked against.
 
 The remap itself (`lookup`, `step`) is `jaxembed.kernels.remap` (XLA) and
-`jaxembed.kernels.remap_native` (its C++ twin).
+`jaxembed.kernels.remap_native` (its C++ twin); training a dynamic table (remap, then reset
+the rows it (re)assigned, table and optimizer state) is `jaxembed.optim.dynamic`.
 """
 
 from jaxembed.dynamic.config import POLICIES as POLICIES

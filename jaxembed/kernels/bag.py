@@ -46,7 +46,6 @@ from jaxembed.kernels.arrays import (
     zeros_like_output,
 )
 from jaxembed.kernels.common import (
-    check_table,
     companion_spec,
     cotangent_spec,
     counts_spec,
@@ -64,6 +63,15 @@ from jaxembed.kernels.common import (
 from jaxembed.kernels.options import LookupOptions
 from jaxembed.kernels.reshard import apply_moves, gather
 from jaxembed.kernels.select import kernels_for
+from jaxembed.kernels.tables import (
+    check_lookup_table,
+    conform_table,
+    frozen,
+    is_quantized,
+    layout_array,
+    table_specs,
+    whole_table,
+)
 from jaxembed.plan import EmbeddingPlan, Exchange, plan_embedding_bag
 from jaxembed.plan.exchange import operand_has_dim
 from jaxembed.plan.lookup import check_choices
@@ -228,7 +236,7 @@ def _routed_pool(plan: EmbeddingPlan, bags: Bags, table: jax.Array):
     s, buckets = _routed_buckets(plan, bags)
     overflow = routed_ops.overflowed(buckets, plan.mesh_names)
 
-    ops = kernels_for(plan)
+    ops = kernels_for(plan, table)
 
     def at_owner(_):
         o = _owner_slots(plan, bags, s, buckets)  # n_S·C slots of every source's GB bags
@@ -243,8 +251,10 @@ def _routed_pool(plan: EmbeddingPlan, bags: Bags, table: jax.Array):
 
     def routed(_):
         back, reads = routed_ops.fetch_rows(plan, table, buckets)  # f[n_S·C, H/K]
-        place, fits = routed_ops.places(buckets)  # each slot's row of `back`
-        pooled = ops.pool_sum(back, place, s.here & fits, s.segment, s.scale, s.num_segments)
+        place, fits = routed_ops.places(buckets)  # each slot's row of `back` (float rows)
+        pooled = kernels_for(plan).pool_sum(
+            back, place, s.here & fits, s.segment, s.scale, s.num_segments
+        )
         out = _out_shape(plan, bags, pooled.astype(table.dtype))
         return out, work_counts(plan, s.here.shape[0], reads)  # pooled: my own slots
 
@@ -271,7 +281,7 @@ def pool(plan: EmbeddingPlan, bags: Bags, table: jax.Array):
         return out, None, overflow, counts
     s = _slots(plan, bags, my_bags_only=True)
     counts = work_counts(plan, s.here.shape[0], jnp.sum(s.here))
-    ops = kernels_for(plan)
+    ops = kernels_for(plan, table)
     if plan.bag.combiner != "max":
         pooled = ops.pool_sum(table, s.local, s.here, s.segment, s.scale, s.num_segments)
         out = reduce_over_rows(plan, _out_shape(plan, bags, pooled.astype(table.dtype)))
@@ -419,7 +429,7 @@ def residual_specs(plan: EmbeddingPlan) -> tuple[P, ...]:
 
 
 def _forward(plan: EmbeddingPlan, mesh: Any, operands, table):
-    in_specs = (*(op.given for op in plan.operands), plan.weight_spec)
+    in_specs = (*(op.given for op in plan.operands), table_specs(table, plan.weight_spec))
     out_specs = (plan.out_spec, residual_specs(plan), P(), counts_spec(plan))
     body = shard_map(_forward_body, plan, mesh, in_specs, out_specs)
     return body(*operands, table)
@@ -455,7 +465,11 @@ def _run(plan: EmbeddingPlan, mesh: Any, operands: tuple, table: jax.Array):
     operands = tuple(
         conform(a, mesh, op.given) for a, op in zip(operands, plan.operands, strict=True)
     )
-    out, overflow, counts = _bag(plan, mesh, operands, conform(table, mesh, plan.weight_spec))
+    table = conform_table(table, mesh, plan.weight_spec)
+    if is_quantized(table):  # inference only: the forward, no gradient
+        out, _, overflow, counts = _forward(plan, mesh, operands, frozen(table))
+    else:
+        out, overflow, counts = _bag(plan, mesh, operands, table)
     return retype(out, plan.out_type_spec), overflow, counts
 
 
@@ -495,7 +509,7 @@ def _one_device_bag(bags: Bags, batch: ragged.BagBatch, weight, options: LookupO
         padding_idx=options.padding_idx, vocab_size=options.vocab_size, dtype=weight.dtype,
         ids_dtype=bags.ids.dtype, impl=options.impl,
     )  # fmt: skip
-    if plan.impl != "native":
+    if plan.impl != "native" or is_quantized(weight):
         return _dense_bag(batch, options.combiner, weight, plan.vocab_size, options.padding_idx)
     run = _local_bag_jit if eager(bags.operands(), weight) else _local_bag
     return run(plan, bags.operands(), weight)
@@ -539,11 +553,13 @@ def _dense_bag(batch: ragged.BagBatch, plan_bag, weight, vocab_size, padding_idx
     groups = math.prod(batch.ids.shape[:-1]) * batch.num_bags
     ids = jnp.where(valid, batch.ids, 0).reshape(-1)
     here = valid.reshape(-1)
+    ops = kernels_for(None, weight)  # XLA's, on a float or a quantized table
+    weight = frozen(weight)
     if plan_bag == "max":
-        maxima, _ = local_ops.pool_max(weight, ids, here, seg.reshape(-1), groups)
+        maxima, _ = ops.pool_max(weight, ids, here, seg.reshape(-1), groups)
         pooled = jnp.where(jnp.isfinite(maxima), maxima, 0.0)
     else:
-        pooled = local_ops.pool_sum(weight, ids, here, seg.reshape(-1), scale.reshape(-1), groups)
+        pooled = ops.pool_sum(weight, ids, here, seg.reshape(-1), scale.reshape(-1), groups)
     lead = batch.ids.shape[:-1]
     pooled = pooled.astype(weight.dtype)
     return pooled.reshape(*lead, weight.shape[1]) if batch.dense else pooled.reshape(
@@ -681,9 +697,9 @@ def run_embedding_bag(bags: Bags, weight: jax.Array, options: LookupOptions) -> 
     Raises:
       As `embedding_bag`.
     """
-    check_table(weight)
+    check_lookup_table(weight)
     ragged.check_weights_allowed(options.combiner, bags.weights is not None)
-    mesh = resolve_mesh(options.mesh, weight, bags.ids)
+    mesh = resolve_mesh(options.mesh, layout_array(weight), bags.ids)
     plan_vocab = options.vocab_of(weight.shape[0])
     if runs_on_one_device(mesh, options.x_spec, options.weight_spec, options.out_spec):
         check_choices(options.exchange, options.routed_pool, pools=True,
@@ -694,12 +710,14 @@ def run_embedding_bag(bags: Bags, weight: jax.Array, options: LookupOptions) -> 
         batch = bags.batch()
         if options.check_ids:
             _check_bag_ids(bags, plan_vocab, batch)
-        weight = whole_on_one_device(weight)
+        weight = whole_table(weight)
         out = _one_device_bag(bags, batch, weight, options)
         out = batch_typed_like(out, given_ids, given_ids.ndim - 1)
         valid = ragged.valid_slots(batch, plan_vocab, options.padding_idx)
         return with_stats(out, options.return_stats, bags.ids, valid)
-    weight_spec, x_spec = resolve_layouts(bags.ids, weight, mesh, **options.layout_kwargs())
+    weight_spec, x_spec = resolve_layouts(
+        bags.ids, layout_array(weight), mesh, **options.layout_kwargs()
+    )
     if weight_spec is None:
         validate_scalars(plan_vocab, options.padding_idx, weight.shape[0])
         batch = bags.batch()
@@ -720,8 +738,9 @@ def run_embedding_bag(bags: Bags, weight: jax.Array, options: LookupOptions) -> 
         _check_bag_ids(bags, plan.vocab_size)
     if bags.ids.size == 0:  # every bag empty: zeros, and no collective over zero slots
         out = zeros_like_output(
-            plan.out_shape, weight.dtype, mesh, plan.out_spec, weight, plan.weight_spec
-        )
+            plan.out_shape, weight.dtype, mesh, plan.out_spec, layout_array(weight),
+            layout_array(table_specs(weight, plan.weight_spec)),
+        )  # fmt: skip
         return with_stats(retype(out, plan.out_type_spec), options.return_stats, devices=mesh.size)
     operands = tuple(
         move(a, mesh, op.given) if not isinstance(a, jax.core.Tracer) else a

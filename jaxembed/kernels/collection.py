@@ -75,8 +75,9 @@ from jaxembed.kernels.arrays import (
     warn_once,
 )
 from jaxembed.kernels.bag import prepare_bags, run_embedding_bag
-from jaxembed.kernels.common import LookupStats, stats_of
+from jaxembed.kernels.common import LookupStats, UpdateStats, stats_of
 from jaxembed.kernels.options import LookupOptions
+from jaxembed.kernels.tables import layout_array
 
 __all__ = [
     "IDS_ADVICE",
@@ -451,7 +452,7 @@ def _where(mesh: Any, table: jax.Array, ids: jax.Array) -> Any:
     """The mesh a call runs on; None when there is none or it has one device (then the
     call runs unsharded: nothing to lay out, no collective to emit). A batch of no slot
     keeps its mesh: the kernels answer it with zeros in the output's layout."""
-    mesh = resolve_mesh(mesh, table, ids)
+    mesh = resolve_mesh(mesh, layout_array(table), ids)
     if mesh is None or (mesh.size == 1 and ids.size > 0):
         return None
     return mesh
@@ -591,7 +592,8 @@ def collection_update(
     capacity_factor: float | None = None,
     impl: str = "auto",
     routed_pool: str = "auto",
-) -> tuple[dict[int, jax.Array], dict[int, Any]]:
+    return_stats: bool = False,
+) -> Any:
     """Row-sparse update of every stack from the outputs' gradients (`jaxembed.optim`).
 
     Each stack's rows get one update per call that reads them (one per stack and input form;
@@ -605,11 +607,15 @@ def collection_update(
       optimizer: a `jaxembed.optim.RowSparseOptimizer`.
       stacks, states: each stack's table and optimizer state, by stack index.
       out_grads: d loss / d output, per feature, shaped as `collection_lookup`'s outputs.
+      return_stats: also return each stack's `UpdateStats` (its calls' distinct rows
+        updated per device, summed; the routed exchange's fallback).
 
     Returns:
-      The new stacks and states, by stack index.
+      The new stacks and states, by stack index; with `return_stats`, also
+      `{stack name: UpdateStats}`.
     """
     stacks, states = dict(stacks), dict(states)
+    stats: dict[str, UpdateStats] = {}
     batch = checked_batch(layout, batch)
     groups = groups_of(layout, batch)
     per_stack: dict[int, int] = {}
@@ -633,19 +639,34 @@ def collection_update(
         where = _where(mesh, stacks[group.stack], ids)
         ids_spec = _ids_spec(ids, stack, where, x_spec, warn=False)
         if owners is not None:  # table-wise: each table updated by the device that holds it
-            stacks[group.stack], states[group.stack] = tablewise.update(
+            done = tablewise.update(
                 optimizer, stacks[group.stack], states[group.stack], ids, weights, out_grad,
-                owners, where, impl=impl,
+                owners, where, impl=impl, return_stats=return_stats,
             )  # fmt: skip
-            continue
-        stacks[group.stack], states[group.stack] = optimizer.update(
-            stacks[group.stack], states[group.stack], ids, out_grad, lengths=lengths,
-            per_id_weights=weights, combiner=group.combiner, vocab_size=stack.shape[0],
-            mesh=mesh, x_spec=ids_spec, weight_spec=_weight_spec(stack, where),
-            exchange=_exchange(exchange, group.stack), capacity_factor=capacity_factor, impl=impl,
-            routed_pool=_routed_pool(routed_pool, group.combiner),
-        )  # fmt: skip
-    return stacks, states
+        else:
+            done = optimizer.update(
+                stacks[group.stack], states[group.stack], ids, out_grad, lengths=lengths,
+                per_id_weights=weights, combiner=group.combiner, vocab_size=stack.shape[0],
+                mesh=mesh, x_spec=ids_spec, weight_spec=_weight_spec(stack, where),
+                exchange=_exchange(exchange, group.stack), capacity_factor=capacity_factor,
+                impl=impl, routed_pool=_routed_pool(routed_pool, group.combiner),
+                return_stats=return_stats,
+            )  # fmt: skip
+        stacks[group.stack], states[group.stack] = done[:2]
+        if return_stats:
+            stats[stack.name] = _add_update_stats(stats.get(stack.name), done[2])
+    return (stacks, states, stats) if return_stats else (stacks, states)
+
+
+def _add_update_stats(total: UpdateStats | None, call: UpdateStats) -> UpdateStats:
+    """A stack's `UpdateStats` over its calls: rows updated add (calls of one mesh), a
+    fallback of any counts."""
+    if total is None:
+        return call
+    fallback = total.routed_fallback | call.routed_fallback
+    if total.rows.shape != call.rows.shape:  # one call ran on one device, one did not
+        return total._replace(routed_fallback=fallback)
+    return UpdateStats(fallback, total.rows + call.rows)
 
 
 def _routed_pool(routed_pool: str, combiner: str) -> str:

@@ -33,13 +33,16 @@ from jaxembed.kernels.arrays import (
 )
 from jaxembed.kernels.reshard import apply_moves, gather
 from jaxembed.plan import EmbeddingPlan
+from jaxembed.quant import QuantizedTable
 
 __all__ = [
     "LookupStats",
+    "UpdateStats",
     "check_table",
     "companion_spec",
     "cotangent_spec",
     "counts_spec",
+    "device_count",
     "finish_gradient",
     "out_grad_to_body",
     "reduce_over_rows",
@@ -102,7 +105,15 @@ def cotangent_spec(plan: EmbeddingPlan) -> P:
 
 
 def check_table(weight: Any) -> None:
-    """Raises for a table that is not a 2-D float array."""
+    """Raises for a table that is not a 2-D float array (a quantized table included: only
+    lookups read one, `jaxembed.kernels.tables.check_lookup_table`)."""
+    if isinstance(weight, QuantizedTable):
+        raise TypeError(
+            f"got a quantized table ({weight!r}) where a float table is needed: quantized "
+            "tables are inference-only (lookups with embedding, embedding_bag and the "
+            "collections); train the float table and quantize it for serving with "
+            "jaxembed.quantize(table, precision)"
+        )
     if jnp.ndim(weight) != 2:
         raise ValueError(
             f"weight must be a 2-D table [vocab, hidden], got shape {jnp.shape(weight)}"
@@ -255,10 +266,34 @@ class LookupStats(NamedTuple):
     rows: jax.Array
 
 
+class UpdateStats(NamedTuple):
+    """What a row-sparse update did in its step (`opt.update(..., return_stats=True)`).
+
+    Attributes:
+      routed_fallback: int32[], 1 when the routed exchange overflowed and the exact gather
+        exchange ran instead (as `LookupStats.routed_fallback`).
+      rows: int32[devices], the distinct rows each device updated (its shard's rows the step
+        wrote, each once), in the mesh's device order: the work an update divides.
+    """
+
+    routed_fallback: jax.Array
+    rows: jax.Array
+
+
 def work_counts(plan: EmbeddingPlan, slots: Any, rows: jax.Array) -> jax.Array:
     """One device's `(slots walked, rows read)` as int32[1, 2], varying over every mesh
     axis (its out_spec: `counts_spec(plan)`): the `LookupStats` counters."""
     counts = jnp.stack([jnp.asarray(slots, jnp.int32), jnp.asarray(rows, jnp.int32)])[None]
+    return _varying(plan, counts)
+
+
+def device_count(plan: EmbeddingPlan, value: Any) -> jax.Array:
+    """One device's counter `value` as int32[1], varying over every mesh axis (its out_spec:
+    `P(counts_spec(plan)[0])`): concatenated over the devices, in the mesh's order."""
+    return _varying(plan, jnp.asarray(value, jnp.int32).reshape(1))
+
+
+def _varying(plan: EmbeddingPlan, counts: jax.Array) -> jax.Array:
     axis_type = getattr(jax.typeof(counts), "manual_axis_type", None)
     varying = frozenset(axis_type.varying) if axis_type is not None else frozenset()
     missing = tuple(a for a in plan.mesh_names if a not in varying)

@@ -37,7 +37,6 @@ from jaxembed.kernels.arrays import (
 )
 from jaxembed.kernels.common import LookupStats as LookupStats
 from jaxembed.kernels.common import (
-    check_table,
     cotangent_spec,
     counts_spec,
     finish_gradient,
@@ -54,6 +53,15 @@ from jaxembed.kernels.common import resolve_layouts as resolve_layouts
 from jaxembed.kernels.options import LookupOptions
 from jaxembed.kernels.reshard import apply_moves, gather
 from jaxembed.kernels.select import kernels_for
+from jaxembed.kernels.tables import (
+    check_lookup_table,
+    conform_table,
+    frozen,
+    is_quantized,
+    layout_array,
+    table_specs,
+    whole_table,
+)
 from jaxembed.plan import EmbeddingPlan, Exchange, plan_embedding
 from jaxembed.plan.lookup import check_choices
 
@@ -68,7 +76,7 @@ __all__ = ["LookupStats", "check_ids", "embedding", "lookup", "resolve_layouts",
 def _gathered_lookup(plan: EmbeddingPlan, ids: jax.Array, table: jax.Array):
     """`(out, counts)`: the gather exchange's lookup of `ids`, reduced over R."""
     local, valid = local_ops.local_rows(plan, ids)
-    gathered = kernels_for(plan).gather_rows(table, local.reshape(-1), valid.reshape(-1))
+    gathered = kernels_for(plan, table).gather_rows(table, local.reshape(-1), valid.reshape(-1))
     out = gathered.reshape(*ids.shape, table.shape[1])  # f[*batch / ids_spec, H/K], partial / R
     counts = work_counts(plan, ids.size, jnp.sum(valid))
     return reduce_over_rows(plan, out), counts  # f[*batch / body_out_spec, H/K]
@@ -141,7 +149,8 @@ def _backward_body(plan: EmbeddingPlan, ids, overflow, out_grad: jax.Array) -> j
 
 def _forward(plan: EmbeddingPlan, mesh: Any, x: jax.Array, table: jax.Array):
     out_specs = (plan.out_spec, plan.ids_spec, P(), counts_spec(plan))
-    body = shard_map(_forward_body, plan, mesh, (plan.x_spec, plan.weight_spec), out_specs)
+    in_specs = (plan.x_spec, table_specs(table, plan.weight_spec))
+    body = shard_map(_forward_body, plan, mesh, in_specs, out_specs)
     return body(x, table)
 
 
@@ -172,8 +181,11 @@ def _run(plan: EmbeddingPlan, mesh: Any, x: jax.Array, table: jax.Array):
     """`_lookup` with its operands typed as the plan's specs and its output as the caller's
     (`conform`, `retype`: free, they differ only by axes of size 1; the table's gradient
     comes back in its own type through the `reshard`'s transpose)."""
-    x, table = conform(x, mesh, plan.x_spec), conform(table, mesh, plan.weight_spec)
-    out, overflow, counts = _lookup(plan, mesh, x, table)
+    x, table = conform(x, mesh, plan.x_spec), conform_table(table, mesh, plan.weight_spec)
+    if is_quantized(table):  # inference only: the forward, no gradient
+        out, _, overflow, counts = _forward(plan, mesh, x, frozen(table))
+    else:
+        out, overflow, counts = _lookup(plan, mesh, x, table)
     return retype(out, plan.out_type_spec), overflow, counts
 
 
@@ -228,7 +240,7 @@ def check_ids(x: jax.Array, vocab_size: int) -> None:
 def dense_lookup(x, weight, vocab_size, padding_idx):
     """The masked lookup without a kernel: one device, or XLA's own partitioning."""
     valid = local_ops.reads_a_row(x, vocab_size, padding_idx)
-    return local_ops.gather_rows(weight, jnp.where(valid, x, 0), valid)
+    return kernels_for(None, weight).gather_rows(frozen(weight), jnp.where(valid, x, 0), valid)
 
 
 def embedding(
@@ -361,20 +373,20 @@ def run_lookup(x: jax.Array, weight: jax.Array, options: LookupOptions) -> Any:
       As `embedding`.
     """
     x = as_ids(x)
-    check_table(weight)
-    mesh = resolve_mesh(options.mesh, weight, x)
+    check_lookup_table(weight)
+    mesh = resolve_mesh(options.mesh, layout_array(weight), x)
     plan_vocab = options.vocab_of(weight.shape[0])
     if runs_on_one_device(mesh, options.x_spec, options.weight_spec, options.out_spec):
         check_choices(options.exchange, options.routed_pool, pools=False, is_max=False)
         validate_scalars(plan_vocab, options.padding_idx, weight.shape[0])
         check_ids_eagerly(x, plan_vocab)
         given = x
-        x, weight = whole_on_one_device(x), whole_on_one_device(weight)
+        x, weight = whole_on_one_device(x), whole_table(weight)
         out = dense_lookup(x, weight, plan_vocab, options.padding_idx)
         out = batch_typed_like(out, given, given.ndim)
         valid = local_ops.reads_a_row(x, plan_vocab, options.padding_idx)
         return with_stats(out, options.return_stats, x, valid)
-    weight_spec, x_spec = resolve_layouts(x, weight, mesh, **options.layout_kwargs())
+    weight_spec, x_spec = resolve_layouts(x, layout_array(weight), mesh, **options.layout_kwargs())
     if weight_spec is None:  # the table's layout is unknown: XLA's lookup, never a gather
         validate_scalars(plan_vocab, options.padding_idx, weight.shape[0])
         out = dense_lookup(x, weight, plan_vocab, options.padding_idx)
@@ -388,8 +400,9 @@ def run_lookup(x: jax.Array, weight: jax.Array, options: LookupOptions) -> Any:
     check_ids_eagerly(x, plan.vocab_size)
     if x.size == 0:  # no id: nothing to look up, and no collective lowers over zero slots
         out = zeros_like_output(
-            plan.out_shape, weight.dtype, mesh, plan.out_spec, weight, plan.weight_spec
-        )
+            plan.out_shape, weight.dtype, mesh, plan.out_spec, layout_array(weight),
+            layout_array(table_specs(weight, plan.weight_spec)),
+        )  # fmt: skip
         return with_stats(retype(out, plan.out_type_spec), options.return_stats, devices=mesh.size)
     if not isinstance(x, jax.core.Tracer):
         x = move(x, mesh, plan.x_spec)  # a concrete array is put where x_spec says

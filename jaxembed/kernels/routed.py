@@ -202,9 +202,8 @@ def fetch_rows(plan: EmbeddingPlan, table: jax.Array, buckets: Buckets):
     local, valid = local_ops.local_rows(plan, recv)
     n, c = recv.shape
     reads = valid & (recv >= 0)
-    rows = (
-        kernels_for(plan).gather_rows(table, local.reshape(-1), reads.reshape(-1)).reshape(n, c, -1)
-    )  # f[n_S, C, H/K]
+    rows = kernels_for(plan, table).gather_rows(table, local.reshape(-1), reads.reshape(-1))
+    rows = rows.reshape(n, c, -1)  # f[n_S, C, H/K]
     if plan.routed.rest_axes:
         rows = jax.lax.psum(rows, plan.routed.rest_axes)  # the owners' other row shards
     back = _to_owners(plan, rows)  # f[n_S, C, H/K]: my ids' rows, by bucket and place

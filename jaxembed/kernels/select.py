@@ -5,6 +5,11 @@ functions to call. `jaxembed.kernels.native` has the same function names and sig
 `jaxembed.kernels.local` (gather, pool, scatter, the routed exchange's `bucket_ids`) and
 `jaxembed.kernels.sparse` (dedup, the row-sparse update), so a body calls
 `kernels_for(plan).gather_rows(...)` either way.
+
+A lookup on a quantized table (`jaxembed.QuantizedTable`) passes the table too:
+`kernels_for(plan, table)` is then `jaxembed.kernels.quant`, whose `gather_rows`, `pool_sum`
+and `pool_max` read packed rows with the same arguments (lookups only: a quantized table is
+not trained).
 """
 
 from __future__ import annotations
@@ -12,15 +17,18 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from jaxembed.kernels import local, native
+from jaxembed.kernels import local, native, quant
+from jaxembed.quant import QuantizedTable
 
 __all__ = ["kernels_for", "native_update"]
 
 
-def kernels_for(plan: Any) -> ModuleType:
+def kernels_for(plan: Any, table: Any = None) -> ModuleType:
     """The module whose `gather_rows`, `pool_sum`, `pool_max`, `scatter_add` and `bucket_ids`
     the plan runs: `jaxembed.kernels.local` (XLA), or `jaxembed.kernels.native` (its C++
-    twins) when `plan.impl` says so."""
+    twins) when `plan.impl` says so; for a quantized `table`, `jaxembed.kernels.quant`."""
+    if isinstance(table, QuantizedTable):
+        return quant
     return native if getattr(plan, "impl", "xla") == "native" else local
 
 

@@ -36,6 +36,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxembed.kernels.arrays import move
 from jaxembed.kernels.bag import local_bag
+from jaxembed.kernels.common import UpdateStats
+from jaxembed.kernels.tables import table_specs
 
 __all__ = ["OwnerMap", "by_owner", "from_owner", "lookup", "owner_map", "update"]
 
@@ -173,7 +175,7 @@ def lookup(
 
     out_specs = (_specs(m, 3), _specs(m, 2)) if return_counts else _specs(m, 3)
     run = jax.shard_map(
-        body, mesh=mesh, in_specs=(_specs(m, 2), *(_specs(m, 3) for _ in xs)),
+        body, mesh=mesh, in_specs=(table_specs(table, _specs(m, 2)), *(_specs(m, 3) for _ in xs)),
         out_specs=out_specs,
     )  # fmt: skip
     if not return_counts:
@@ -193,7 +195,8 @@ def update(
     mesh: Any,
     *,
     impl: str = "auto",
-) -> tuple[jax.Array, Any]:
+    return_stats: bool = False,
+) -> Any:
     """The row-sparse update of the stack from `out_grad [B, F, H]`, each table updated in
     place by the device that holds it (`lookup`'s exchange in reverse).
 
@@ -203,9 +206,11 @@ def update(
         `m.axes`.
       ids, weights, m, mesh, impl: as `lookup`.
       out_grad: d loss / d pooled output, in the batch's layout.
+      return_stats: also return `UpdateStats`, with each row shard's distinct rows updated
+        (int32[n], in the order of the devices along `m.axes`).
 
     Returns:
-      `(table, state)`, in their layouts.
+      `(table, state)`, in their layouts; `(table, state, stats)` with `return_stats`.
     """
     xs = [by_owner(ids, m, -1), by_owner(out_grad, m, 0.0)]
     if weights is not None:
@@ -222,18 +227,33 @@ def update(
         grads = _to_owners(g, m)  # [B, F_o, H]
         factors = _to_owners(w[0], m) if w else None
         here = type(state)(count, dict(zip(names, slots, strict=True)), fallbacks)
-        new_shard, new = optimizer.local_update(
-            shard, here, local, grads, per_id_weights=factors, combiner="sum", impl=impl
-        )
-        return new_shard, new.count, new.routed_fallbacks, *(new.slots[k] for k in names)
+        done = optimizer.local_update(
+            shard, here, local, grads, per_id_weights=factors, combiner="sum", impl=impl,
+            return_stats=return_stats,
+        )  # fmt: skip
+        new_shard, new = done[:2]
+        rows = done[2].rows if return_stats else jnp.zeros((1,), jnp.int32)  # i32[1]
+        if missing := _unvarying(rows, m.axes):
+            rows = jax.lax.pcast(rows, missing, to="varying")
+        return new_shard, new.count, new.routed_fallbacks, rows, *(new.slots[k] for k in names)
 
     run = jax.shard_map(
         body, mesh=mesh,
         in_specs=(_specs(m, 2), P(), P(), *slot_specs, _specs(m, 3), _specs(m, 3),
                   *([_specs(m, 3)] if weights is not None else [])),
-        out_specs=(_specs(m, 2), P(), P(), *slot_specs),
+        out_specs=(_specs(m, 2), P(), P(), P(_axis(m)), *slot_specs),
     )  # fmt: skip
-    new_table, count, fallbacks, *slots = run(
+    new_table, count, fallbacks, rows, *slots = run(
         table, state.count, state.routed_fallbacks, *(state.slots[k] for k in names), *xs
     )
-    return new_table, type(state)(count, dict(zip(names, slots, strict=True)), fallbacks)
+    new_state = type(state)(count, dict(zip(names, slots, strict=True)), fallbacks)
+    if return_stats:
+        return new_table, new_state, UpdateStats(jnp.zeros((), jnp.int32), rows)
+    return new_table, new_state
+
+
+def _unvarying(x: jax.Array, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The axes of `axes` that `x` does not vary over yet (`pcast` needs them)."""
+    axis_type = getattr(jax.typeof(x), "manual_axis_type", None)
+    varying = frozenset(axis_type.varying) if axis_type is not None else frozenset()
+    return tuple(a for a in axes if a not in varying)

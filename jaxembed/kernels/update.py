@@ -22,13 +22,13 @@ from jaxembed.kernels import local as local_ops
 from jaxembed.kernels import routed as routed_ops
 from jaxembed.kernels.arrays import conform, retype
 from jaxembed.kernels.bag import exchanged_slot_grads, moved_bags, pool
-from jaxembed.kernels.common import out_grad_to_body
+from jaxembed.kernels.common import counts_spec, device_count, out_grad_to_body
 from jaxembed.kernels.reshard import apply_moves, gather
 from jaxembed.kernels.select import kernels_for, native_update
 from jaxembed.kernels.sparse import apply_rows
 from jaxembed.plan import EmbeddingPlan
 
-__all__ = ["after", "sparse_update", "update_body"]
+__all__ = ["after", "distinct_rows", "sparse_update", "update_body"]
 
 
 def _plain_update(plan: EmbeddingPlan, given, out_grad, consume):
@@ -61,9 +61,19 @@ def _plain_update(plan: EmbeddingPlan, given, out_grad, consume):
     return consume(*local_ops.local_rows(plan, ids), out_grad), jnp.zeros((), jnp.int32)
 
 
-def update_body(plan: EmbeddingPlan, formula: Any, num_slots: int, *arrays):
-    """`((table, slots), overflow)`: the updated shard and state, and whether the routed
-    exchange fell back to the gather exchange in this step.
+def distinct_rows(local: jax.Array, here: jax.Array, num_rows: int) -> jax.Array:
+    """int32[]: how many distinct rows of a `num_rows`-row shard the slots `local` (where
+    `here`) name: the rows an update writes. One scatter into `[num_rows]` flags."""
+    hit = jnp.zeros((num_rows + 1,), jnp.bool_)
+    hit = hit.at[jnp.where(here, local, num_rows).reshape(-1)].set(True, mode="drop")
+    return jnp.sum(hit[:num_rows], dtype=jnp.int32)
+
+
+def update_body(plan: EmbeddingPlan, formula: Any, num_slots: int, *arrays,
+                count_rows: bool = False):  # fmt: skip
+    """`((table, slots), overflow, rows)`: the updated shard and state, whether the routed
+    exchange fell back to the gather exchange in this step, and (`count_rows`) the distinct
+    rows this device updated, int32[1] (zero when not counted).
 
     The body of `sparse_update`, on one device's blocks; a one-device update (no mesh) calls
     it as it is, without a `shard_map`.
@@ -78,27 +88,38 @@ def update_body(plan: EmbeddingPlan, formula: Any, num_slots: int, *arrays):
     if not native and plan.impl == "native":  # a split hidden axis: only the dedup is native
         apply = functools.partial(apply_rows, dedup=kernels_for(plan).dedup_rows)
 
+    def rows(local, here):  # the distinct rows written here, when counted
+        if not count_rows:
+            return jnp.zeros((), jnp.int32)
+        return distinct_rows(local, here, table.shape[0])
+
     def consume(local, here, grads):
-        return apply(
+        new = apply(
             formula, table, slots, count, local.reshape(-1), here.reshape(-1),
             grads.reshape(-1, hidden_local), hidden_axes=plan.hidden_axes,
             hidden_size=plan.weight_shape[1],
         )  # fmt: skip
+        return new, rows(local, here)
 
     if plan.bag is None:
-        return _plain_update(plan, given, out_grad, consume)
+        (new, written), overflow = _plain_update(plan, given, out_grad, consume)
+        return new, overflow, device_count(plan, written)
     bags = moved_bags(plan, given)
     winners = pool(plan, bags, table)[1] if plan.bag.combiner == "max" else None
     fused = None
     if native:
 
         def fused(s, og):  # the bag's backward and the update in one pass, no [M, H] buffer
-            return kernels_for(plan).bag_apply_rows(
+            new = kernels_for(plan).bag_apply_rows(
                 formula, table, slots, count, s.local, s.here, s.segment, s.scale, og,
                 hidden_size=plan.weight_shape[1],
             )  # fmt: skip
+            return new, rows(s.local, s.here)
 
-    return exchanged_slot_grads(plan, bags, out_grad, winners, consume, fused=fused)
+    (new, written), overflow = exchanged_slot_grads(
+        plan, bags, out_grad, winners, consume, fused=fused
+    )
+    return new, overflow, device_count(plan, written)
 
 
 def slot_spec(plan: EmbeddingPlan, per_row: bool):
@@ -118,7 +139,8 @@ def sparse_update(
     operands: tuple[jax.Array, ...],
     out_grad: jax.Array,
     ct_spec: Any,
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    count_rows: bool = False,
+) -> tuple[tuple[jax.Array, tuple[jax.Array, ...]], jax.Array, jax.Array]:
     """Runs the fused backward + update of `plan` with `formula` on `mesh`.
 
     Args:
@@ -132,10 +154,12 @@ def sparse_update(
       operands: the batch operands as given (ids; for bags lengths and weights).
       out_grad: d loss / d output, in `ct_spec` (the lookup's output layout).
       ct_spec: out_grad's layout.
+      count_rows: count each device's distinct rows updated (else zeros).
 
     Returns:
-      `((table, slots), overflow)`: the new table and slots in their own layouts, and an
-      int32[] that is 1 when the routed exchange fell back this step.
+      `((table, slots), overflow, rows)`: the new table and slots in their own layouts, an
+      int32[] that is 1 when the routed exchange fell back this step, and int32[devices],
+      the distinct rows each device updated, in the mesh's device order.
     """
     from jax.sharding import PartitionSpec as P
 
@@ -144,20 +168,20 @@ def sparse_update(
         plan.weight_spec, *slot_specs, P(), *(op.given for op in plan.operands), ct_spec,
     )  # fmt: skip
     body = jax.shard_map(
-        functools.partial(update_body, plan, formula, len(slots)),
+        functools.partial(update_body, plan, formula, len(slots), count_rows=count_rows),
         mesh=mesh,
         in_specs=in_specs,
-        out_specs=((plan.weight_spec, slot_specs), P()),
+        out_specs=((plan.weight_spec, slot_specs), P(), P(counts_spec(plan)[0])),
         check_vma=True,
     )
     # The plan names no axis of size 1; the arrays' Explicit types may (free either way).
     given = (table, *slots, count, *operands, out_grad)
-    (new_table, new_slots), overflow = body(
+    (new_table, new_slots), overflow, rows = body(
         *(conform(a, mesh, spec) for a, spec in zip(given, in_specs, strict=True))
     )
     new_table = retype(new_table, _type_spec(table))
     new_slots = tuple(retype(n, _type_spec(o)) for n, o in zip(new_slots, slots, strict=True))
-    return (new_table, new_slots), overflow
+    return (new_table, new_slots), overflow, rows
 
 
 def _type_spec(a: jax.Array) -> Any:

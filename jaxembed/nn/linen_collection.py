@@ -41,6 +41,7 @@ from jaxembed.collection.config import FeatureConfig, TableConfig
 from jaxembed.collection.layout import CollectionLayout, layout_collection
 from jaxembed.kernels.arrays import place_table
 from jaxembed.kernels.collection import collection_lookup
+from jaxembed.kernels.tables import is_quantized
 from jaxembed.nn.common import current_mesh
 from jaxembed.nn.stacks import (
     auto_plan,
@@ -49,6 +50,7 @@ from jaxembed.nn.stacks import (
     export_states,
     import_states,
     planned,
+    quantize_stacks,
     unstack,
 )
 
@@ -152,9 +154,12 @@ def find_params(
     )
 
 
-def replace_params(tree: Any, keys: Sequence[str], values: Mapping[str, Any]) -> Any:
+def replace_params(
+    tree: Any, keys: Sequence[str], values: Mapping[str, Any], *, boxed: bool = True
+) -> Any:
     """`tree` with the parameters `values` (by name) of the node at `keys` replaced: boxes
-    (`nn.Partitioned`) keep their names, a `FrozenDict` stays one; nothing else is copied."""
+    (`nn.Partitioned`) keep their names (`boxed=False`: the values replace them, unboxed),
+    a `FrozenDict` stays one; nothing else is copied."""
 
     def rebuild(node, rest):
         out = dict(node)
@@ -163,7 +168,8 @@ def replace_params(tree: Any, keys: Sequence[str], values: Mapping[str, Any]) ->
         else:
             for name, value in values.items():
                 old = out[name]
-                out[name] = old.replace_boxed(value) if isinstance(old, nn.Partitioned) else value
+                keep = boxed and isinstance(old, nn.Partitioned)
+                out[name] = old.replace_boxed(value) if keep else value
         return FrozenDict(out) if isinstance(node, FrozenDict) else out
 
     return rebuild(tree, tuple(keys))
@@ -434,6 +440,44 @@ class EmbeddingBagCollection(nn.Module):
                 array = jax.device_put(array, old[s.index].sharding)
             new[s.name] = jnp.asarray(array)
         return replace_params(variables, keys, new)
+
+    def quantized(
+        self, precision: Any, variables: Any = None, *, path: str = "", **options: Any
+    ) -> Any:
+        """The variables with this collection's tables quantized row-wise, for serving.
+
+        As `jaxembed.nnx.EmbeddingBagCollection.quantized`, for Linen: the returned variables
+        hold a `jaxembed.QuantizedTable` in place of each quantized stack (unboxed), and
+        `coll.apply(served, batch)` looks up as before, reading `q · scale + bias`; training
+        them is an error (train the float variables, then quantize).
+
+        Args:
+          precision: `"int8"`, `"int4"`, `"int2"` or `"fp8"`, or `{table: precision}` (tables
+            left out stay float); the tables of one stack share a precision.
+          variables: the model's variables or params; omitted when bound.
+          path: the collection's module path in them.
+          **options: `jaxembed.quantize`'s keywords.
+
+        Returns:
+          The variables (params), with this collection's stacks replaced.
+
+        Examples:
+          >>> import jax, jax.numpy as jnp
+          >>> import jaxembed, jaxembed.flax
+          >>> coll = jaxembed.flax.EmbeddingBagCollection(
+          ...     [jaxembed.TableConfig("item", 10, 4)], [jaxembed.FeatureConfig("f", "item")])
+          >>> batch = {"f": jnp.array([[1, 2], [3, -1]])}
+          >>> variables = coll.init(jax.random.key(0), batch)
+          >>> served = coll.quantized("int8", variables)
+          >>> bool(jnp.abs(coll.apply(served, batch)["f"] - coll.apply(variables, batch)["f"])
+          ...      .max() < 1e-2)
+          True
+        """
+        variables, keys = self._own(variables, path, "quantized")
+        layout = self.layout
+        new = quantize_stacks(layout, self._stacks_of(variables, keys), precision, **options)
+        values = {s.name: new[s.index] for s in layout.stacks if is_quantized(new[s.index])}
+        return replace_params(variables, keys, values, boxed=False)
 
     def init_optimizer(
         self, optimizer: Any, variables: Any = None, *, path: str = ""

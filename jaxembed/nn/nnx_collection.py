@@ -12,7 +12,9 @@ The parameters are the collection's stacks (`jaxembed.collection.layout`), one `
 `nnx.Param`) each, laid out as their `out_sharding` metadata says, so `nnx.Optimizer`, optax
 and orbax handle them as any parameter. `tables()` and `load_tables()` convert to and from
 each table in id order (for checkpoints that restore onto another layout, or for inspection).
-The lookup and the update are `jaxembed.kernels.collection`'s.
+`quantized("int8")` (or per table) gives a serving copy whose stacks are row-wise quantized
+(`QuantizedStack` variables: lookups only). The lookup and the update are
+`jaxembed.kernels.collection`'s.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ from jaxembed.collection.config import FeatureConfig, TableConfig
 from jaxembed.collection.layout import layout_collection
 from jaxembed.kernels.arrays import place_table
 from jaxembed.kernels.collection import collection_lookup, collection_update
+from jaxembed.kernels.tables import is_quantized
 from jaxembed.nn.common import current_mesh
-from jaxembed.nn.nnx_embed import Table
+from jaxembed.nn.nnx_embed import QuantizedStack, Table
 from jaxembed.nn.stacks import (
     auto_plan,
     build_stack,
@@ -48,6 +51,7 @@ from jaxembed.nn.stacks import (
     export_states,
     import_states,
     planned,
+    quantize_stacks,
     unstack,
 )
 
@@ -147,7 +151,7 @@ class EmbeddingBagCollection(nnx.Module):
         self.stacks = nnx.Dict(stacks)
 
     def _stacks(self) -> dict[int, jax.Array]:
-        return {s.index: self.stacks[s.name][...] for s in self.layout.stacks}
+        return {s.index: self.stacks[s.name].get_value() for s in self.layout.stacks}
 
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
         """Every feature's output.
@@ -172,6 +176,46 @@ class EmbeddingBagCollection(nnx.Module):
         )  # fmt: skip
         ours = {f.name: batch[f.name] for f in self.layout.features}
         return tape.tap(self, "collection", "collection", out, ours, {})
+
+    def quantized(self, precision: Any, **options: Any) -> EmbeddingBagCollection:
+        """A serving copy of this collection, its tables quantized row-wise.
+
+        The copy looks up as this one does (same layout, placements and exchange), reading
+        each quantized row as `q · scale + bias` in float32; its stacks are `QuantizedStack`
+        variables, not parameters, and training it is an error (train this collection, then
+        quantize it). This collection is left as it is.
+
+        Args:
+          precision: `"int8"`, `"int4"`, `"int2"` or `"fp8"`, or `{table: precision}` (tables
+            left out stay float); the tables of one stack share a precision.
+          **options: `jaxembed.quantize`'s keywords (e.g. `search="greedy"` for int4/int2).
+
+        Returns:
+          A new `EmbeddingBagCollection`.
+
+        Raises:
+          ValueError: as `jaxembed.nn.stacks.quantize_stacks`.
+
+        Examples:
+          >>> import jax.numpy as jnp
+          >>> from flax import nnx
+          >>> import jaxembed, jaxembed.nnx
+          >>> coll = jaxembed.nnx.EmbeddingBagCollection(
+          ...     [jaxembed.TableConfig("item", 100, 8)], [jaxembed.FeatureConfig("f", "item")],
+          ...     rngs=nnx.Rngs(0))
+          >>> served = coll.quantized("int8")
+          >>> batch = {"f": jnp.array([[1, 2], [3, -1]])}
+          >>> bool(jnp.abs(served(batch)["f"] - coll(batch)["f"]).max() < 1e-2)
+          True
+        """
+        quantized = quantize_stacks(self.layout, self._stacks(), precision, **options)
+        new = nnx.clone(self)
+        stacks = {}
+        for s in self.layout.stacks:
+            value = quantized[s.index]
+            stacks[s.name] = QuantizedStack(value) if is_quantized(value) else new.stacks[s.name]
+        new.stacks = nnx.Dict(stacks)
+        return new
 
     def concat(self, outputs: Mapping[str, jax.Array]) -> jax.Array:
         """The pooled features' outputs side by side, `[B, Σ dim]`, in feature order."""

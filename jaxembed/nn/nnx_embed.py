@@ -82,6 +82,11 @@ class Table(nnx.Param):
     `jaxembed.nnx.value_and_grad` leaves it out of the dense gradients."""
 
 
+class QuantizedStack(nnx.Variable):
+    """A serving copy's quantized table (`jaxembed.QuantizedTable`): not an `nnx.Param`, so no
+    optimizer or gradient filter treats it as trainable (`EmbeddingBagCollection.quantized`)."""
+
+
 _NNX_TABLE_ADVICE = (
     "give the parameter its layout, e.g. jaxembed.nnx.Embed(..., embedding_init="
     "nnx.with_partitioning(init, ('model', None))) or embedding_metadata={'out_sharding': "

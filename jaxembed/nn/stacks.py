@@ -6,6 +6,7 @@ Shared by `jaxembed.nn.nnx_collection` and `jaxembed.nn.linen_collection`:
 * `unstack`: each table back in id order (for export and checks);
 * `export_states`, `import_states`: optimizer states per table in id order, and back;
 * `concat_features`: the pooled outputs side by side;
+* `quantize_stacks`: the stacks quantized row-wise for serving (per-table precisions);
 * `auto_plan`, `planned`: `placements="auto"` planned now, a `jaxembed.plan_collection`
   result's tables and exchanges applied.
 """
@@ -25,7 +26,10 @@ from jaxembed.collection.checks import check_array
 from jaxembed.collection.config import TableConfig
 from jaxembed.collection.layout import CollectionLayout, Stack
 from jaxembed.kernels.arrays import is_explicit
+from jaxembed.kernels.tables import is_quantized
 from jaxembed.plan.collection import plan_collection
+from jaxembed.quant import dequantize, quantize
+from jaxembed.quant.format import check_precision
 
 __all__ = [
     "auto_plan",
@@ -35,6 +39,7 @@ __all__ = [
     "import_states",
     "place",
     "planned",
+    "quantize_stacks",
     "unstack",
 ]
 
@@ -112,6 +117,8 @@ def unstack(layout: CollectionLayout, stacks: Mapping[int, jax.Array]) -> dict[s
             p = layout.placement(name)
             rows = p.stack_ids(np.arange(p.vocab_size, dtype=np.int32), s.local_rows)
             array = stacks[s.index]
+            if is_quantized(array):  # a serving copy: its rows as the lookups read them
+                array = dequantize(array)
             if isinstance(array, np.ndarray):
                 out[name] = array[rows]
                 continue
@@ -126,6 +133,72 @@ def unstack(layout: CollectionLayout, stacks: Mapping[int, jax.Array]) -> dict[s
                 # can starve XLA:CPU's rendezvous (it aborts after 40 s).
                 value = jax.block_until_ready(value)
             out[name] = value
+    return out
+
+
+def _stack_precisions(layout: CollectionLayout, precision: Any) -> dict[int, str | None]:
+    """Each stack's precision (None: kept float) from one precision or `{table: precision}`."""
+    names = {t for s in layout.stacks for t in s.tables}
+    if isinstance(precision, Mapping):
+        unknown = sorted(set(precision) - names)
+        if unknown:
+            raise ValueError(
+                f"quantized: no table named {unknown} in this collection (its tables: "
+                f"{sorted(names)})"
+            )
+        per_table = {t: None if precision.get(t) is None else check_precision(precision[t])
+                     for t in names}  # fmt: skip
+    else:
+        per_table = dict.fromkeys(names, check_precision(precision))
+    out = {}
+    for s in layout.stacks:
+        wanted = {per_table[t] for t in s.tables}
+        if len(wanted) > 1:
+            given = {t: per_table[t] for t in s.tables}
+            raise ValueError(
+                f"quantized: stack {s.name!r} holds tables {list(s.tables)}, one array, so they "
+                f"share a precision; got {given}. Give them one precision, or place them apart "
+                "(another placement or dim puts a table in a stack of its own)"
+            )
+        out[s.index] = wanted.pop()
+    return out
+
+
+def quantize_stacks(
+    layout: CollectionLayout, stacks: Mapping[int, Any], precision: Any, **options: Any
+) -> dict[int, Any]:
+    """The stacks quantized row-wise (`jaxembed.quantize`) for serving, each in its layout.
+
+    Row-wise quantization reads each row alone, so a stack quantized whole is its tables
+    quantized one by one and stacked.
+
+    Args:
+      layout: the collection's layout.
+      stacks: each stack's float array, by stack index.
+      precision: `"int8"`, `"int4"`, `"int2"` or `"fp8"` for every table, or
+        `{table: precision}` (a table left out, or mapped to None, stays float: small tables
+        cost little and read fastest as floats). The tables of one stack share a precision.
+      **options: `jaxembed.quantize`'s keywords (`search`, `scale_dtype`, fp8's format).
+
+    Returns:
+      `{stack index: QuantizedTable or the float stack}`, laid out as the stacks were.
+
+    Raises:
+      ValueError: an unknown precision or table, tables of one stack given different
+        precisions, a dim the precision cannot pack, a layout the packed bytes do not divide.
+    """
+    precisions = _stack_precisions(layout, precision)
+    out = {}
+    for s in layout.stacks:
+        array = stacks[s.index]
+        if precisions[s.index] is None or is_quantized(array):
+            out[s.index] = array
+            continue
+        q = quantize(array, precisions[s.index], **options)
+        sharding = getattr(array, "sharding", None)
+        if isinstance(sharding, NamedSharding) and not isinstance(array, jax.core.Tracer):
+            q = jax.device_put(q, q.shardings(sharding.mesh, s.spec))
+        out[s.index] = q
     return out
 
 

@@ -36,12 +36,17 @@ moves untouched rows); lazy Adam differs from `optax.adam` on purpose (`formulas
 Earlier releases' `adagrad` was FBGEMM's (s from 0, eps = 1e-8 outside the root): that is now
 `fbgemm_adagrad`, with the same defaults. See `jaxembed.optim.formulas` for the exact
 formulas and how lazy Adam differs from dense Adam and from `torch.optim.SparseAdam`.
+
+Dynamic tables (raw 64-bit ids, admission and eviction) train with these optimizers through
+`jaxembed.optim.dynamic.prepare`, which remaps the ids to rows and resets the rows it
+(re)assigns, table and optimizer state, before they are read (docs/dynamic.md).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from jaxembed.optim import dynamic as dynamic
 from jaxembed.optim import formulas
 from jaxembed.optim.sparse import RowSparseOptimizer as RowSparseOptimizer
 from jaxembed.optim.sparse import RowSparseState as RowSparseState
@@ -53,6 +58,7 @@ __all__ = [
     "adagrad",
     "adam",
     "after",
+    "dynamic",
     "fbgemm_adagrad",
     "ftrl",
     "partial_rowwise_adam",

@@ -35,7 +35,13 @@ from jaxembed.kernels.arrays import (
     whole_on_one_device,
 )
 from jaxembed.kernels.bag import Bags, prepare_bags
-from jaxembed.kernels.common import check_table, companion_spec, cotangent_spec, resolve_layouts
+from jaxembed.kernels.common import (
+    UpdateStats,
+    check_table,
+    companion_spec,
+    cotangent_spec,
+    resolve_layouts,
+)
 from jaxembed.kernels.options import LookupOptions
 from jaxembed.kernels.update import after as after
 from jaxembed.kernels.update import sparse_update, update_body
@@ -146,7 +152,8 @@ class RowSparseOptimizer:
         x_hint: P | None = None,
         after: Any = None,
         routed_pool: str = "auto",
-    ) -> tuple[jax.Array, RowSparseState]:
+        return_stats: bool = False,
+    ) -> Any:
         """Applies one step to the rows the batch touched: backward and update in one kernel.
 
         The gradients of duplicate ids (within a bag, across bags, across devices) are summed
@@ -175,9 +182,13 @@ class RowSparseOptimizer:
             cotangent): without it XLA may copy the whole donated table every step.
           routed_pool: where the routed exchange pools a sum-like bag (`"auto"`,
             `"source"`, `"owner"`; see `jaxembed.plan_embedding_bag`).
+          return_stats: also return `jaxembed.UpdateStats`: the distinct rows each device
+            updated (one scatter of flags over its shard's rows to count them) and the
+            routed exchange's fallback.
 
         Returns:
-          `(table, state)`, in their own layouts.
+          `(table, state)`, in their own layouts; `(table, state, stats)` with
+          `return_stats`.
 
         Raises:
           ValueError: as the lookup, and `exchange="dense"`.
@@ -196,7 +207,7 @@ class RowSparseOptimizer:
             row_sharding=row_sharding, capacity=capacity, capacity_factor=capacity_factor,
             impl=impl, combiner=(combiner or "sum") if is_bag else None,
             include_last_offset=include_last_offset, x_hint=x_hint, function="opt.update",
-            routed_pool=routed_pool,
+            routed_pool=routed_pool, return_stats=return_stats,
         )  # fmt: skip
         bags = None
         if is_bag:
@@ -211,7 +222,7 @@ class RowSparseOptimizer:
         bags: Bags | None,
         out_grad: jax.Array,
         options: LookupOptions,
-    ) -> tuple[jax.Array, RowSparseState]:
+    ) -> Any:
         """`update` with its keywords as one `LookupOptions` (`bags`: `prepare_bags`'s, or
         None for a lookup that pools nothing)."""
         if bags is not None:
@@ -235,7 +246,9 @@ class RowSparseOptimizer:
         _check_out_grad(plan, out_grad, bags)
         if ids.size == 0:  # no id touched a row: the table and its slots are unchanged
             slots = tuple(state.slots[s.name] for s in self.formula.slots)
-            return table, self._state(state, slots, jnp.zeros((), jnp.int32))
+            zero = jnp.zeros((), jnp.int32)
+            return self._result(table, state, slots, zero, jnp.zeros(mesh.size, jnp.int32),
+                                options)  # fmt: skip
         operands = tuple(
             move(a, mesh, op.given) if not isinstance(a, jax.core.Tracer) else a
             for a, op in zip(operands, plan.operands, strict=True)
@@ -244,10 +257,15 @@ class RowSparseOptimizer:
         out_grad = move(out_grad, mesh, ct_spec)
         slots = tuple(state.slots[s.name] for s in self.formula.slots)
         run = _sparse_update_jit if eager(table, slots, operands, out_grad) else sparse_update
-        (new_table, new_slots), overflow = run(
-            plan, self.formula, mesh, table, slots, state.count, operands, out_grad, ct_spec
-        )
-        return new_table, self._state(state, new_slots, overflow)
+        (new_table, new_slots), overflow, rows = run(
+            plan, self.formula, mesh, table, slots, state.count, operands, out_grad, ct_spec,
+            options.return_stats,
+        )  # fmt: skip
+        return self._result(new_table, state, new_slots, overflow, rows, options)
+
+    def _result(self, table, state, slots, overflow, rows, options) -> Any:
+        new = (table, self._state(state, slots, overflow))
+        return (*new, UpdateStats(overflow, rows)) if options.return_stats else new
 
     def local_update(
         self,
@@ -260,7 +278,8 @@ class RowSparseOptimizer:
         per_id_weights: jax.Array | None = None,
         combiner: str | None = None,
         impl: str = "auto",
-    ) -> tuple[jax.Array, RowSparseState]:
+        return_stats: bool = False,
+    ) -> Any:
         """`update` of one device's arrays as they are, with no mesh and no collective: the
         body of a caller's own `shard_map` (a table-wise collection's owner updating the
         table it holds whole), or an unsharded update.
@@ -271,13 +290,14 @@ class RowSparseOptimizer:
           out_grad: d loss / d output of the lookup of `x` (pooled `[..., H]` for bags).
           lengths, per_id_weights, combiner: the bag's, as `update` takes them.
           impl: `"auto"`, `"native"` or `"xla"`.
+          return_stats: also return `UpdateStats` (rows: int32[1], the distinct rows updated).
 
         Returns:
-          `(table, state)`.
+          `(table, state)`; `(table, state, stats)` with `return_stats`.
         """
         is_bag = any(v is not None for v in (lengths, per_id_weights, combiner))
         options = LookupOptions(impl=impl, combiner=(combiner or "sum") if is_bag else None,
-                                function="opt.local_update")  # fmt: skip
+                                function="opt.local_update", return_stats=return_stats)  # fmt: skip
         bags = prepare_bags(x, lengths, None, per_id_weights, False) if is_bag else None
         ids = bags.ids if is_bag else as_ids(x)
         operands = bags.operands() if is_bag else (ids,)
@@ -290,15 +310,16 @@ class RowSparseOptimizer:
         _check_out_grad(plan, out_grad, bags)
         slots = tuple(state.slots[s.name] for s in self.formula.slots)
         if ids.size == 0:
-            return table, self._state(state, slots, jnp.zeros((), jnp.int32))
+            zero = jnp.zeros((), jnp.int32)
+            return self._result(table, state, slots, zero, zero[None], options)
         whole = [whole_on_one_device(a) for a in (table, *slots, *operands, out_grad)]
-        (new_table, new_slots), overflow = update_body(
+        (new_table, new_slots), overflow, rows = update_body(
             plan, self.formula, len(slots), whole[0], *whole[1 : 1 + len(slots)],
-            state.count, *whole[1 + len(slots) :],
+            state.count, *whole[1 + len(slots) :], count_rows=options.return_stats,
         )  # fmt: skip
         new_table = typed_like(new_table, table)
         new_slots = tuple(typed_like(n, o) for n, o in zip(new_slots, slots, strict=True))
-        return new_table, self._state(state, new_slots, overflow)
+        return self._result(new_table, state, new_slots, overflow, rows, options)
 
     def _plan(self, mesh, ids, table, bags, options, x_spec, weight_spec, out_spec,
               exchange) -> EmbeddingPlan:  # fmt: skip
@@ -365,4 +386,4 @@ def _check_out_grad(plan: EmbeddingPlan, out_grad: Any, bags: Any) -> None:
 _order_after = after
 
 # An eager update: one compiled program rather than a `shard_map` run op by op.
-_sparse_update_jit = jax.jit(sparse_update, static_argnums=(0, 1, 2, 8))
+_sparse_update_jit = jax.jit(sparse_update, static_argnums=(0, 1, 2, 8, 9))

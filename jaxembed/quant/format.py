@@ -198,6 +198,11 @@ class QuantizedTable:
         return (self.rows, self.dim)
 
     @property
+    def dtype(self) -> np.dtype:
+        """float32: the type a lookup reads the rows as (`q · scale + bias` in float32)."""
+        return np.dtype(np.float32)
+
+    @property
     def nbytes(self) -> int:
         """Bytes held: packed values plus the rows' scales and biases."""
         return sum(int(a.nbytes) for a in (self.data, self.scale, self.bias) if a is not None)

@@ -1,0 +1,491 @@
+"""Dynamic tables for training: raw 64-bit ids become rows of an ordinary table, reset on admission.
+
+A dynamic table (`jaxembed.dynamic`) is a static table of `capacity` rows plus a remap from
+raw 64-bit ids to those rows (`jaxembed.kernels.remap`). `prepare` runs one step of the remap
+and turns the batch's ids into row ids, so every downstream path is the static one, unchanged:
+`jaxembed.embedding`, `jaxembed.embedding_bag`, the row-sparse optimizers' `update`. An id
+without a row gets row `capacity`, outside the table: it reads zeros and gets no gradient.
+
+    rows, dyn, opt_state, stats = prepare(config, dyn, opt_state, ids, t,
+                                          initializer=init, key=key, optimizer=opt)
+    pooled = jaxembed.embedding_bag(rows, dyn.table)          # f[B, H]: the static lookup
+    ...                                                        # loss, d loss / d pooled
+    table, opt_state = opt.update(dyn.table, opt_state, rows, g, combiner="sum", after=pooled)
+
+**Resets.** A row the step (re)assigns (an id admitted to a free row, or taking an evicted
+id's row) is re-initialised in the same step, before any id reads it: the table's row to
+`initializer(k, (1, H), dtype)[0]` with `k = fold_in(fold_in(key, t), row)`, and every
+per-row leaf of the optimizer state to its `optimizer.init` value. So a row's values depend
+only on the key, the step and the row: one device or eight, XLA or native remap, give the same
+table. The initializer sees one row, `(1, H)`: fan-based initializers that count rows (glorot,
+`variance_scaling` with `fan_out` over the rows) see one; `normal`, `uniform`,
+`truncated_normal` and Flax's `Embed` default (`variance_scaling(1.0, "fan_in", "normal",
+out_axis=0)`) give what they give for the whole table.
+
+**Optimizer state.** `optimizer.init(table)` lays out one array per slot, `[V, H]` or `[V]`;
+the leaves of `optimizer.init` of a one-row table whose leading dim is 1 are the per-row
+ones, and their values are what a reset row gets (`count`, the global step, is not reset:
+lazy Adam's bias correction stays the global step's, as for a row touched for the first time).
+
+**Sharding (first version).** The table and its per-row optimizer state may be split over
+the mesh ("rows" placement, `P("model", None)`; a hidden split works too); the remap's state
+is replicated and every device runs the remap on all the batch's ids inside one `shard_map`,
+then resets the reset rows it owns. This is correct and deterministic but not yet work ÷ n:
+the owner-routed remap (each id hashed to its owner shard, `keys.owner_of`, the state split
+with the table) is the next step. Only block row sharding (`row_sharding="block"`, the
+default) is supported.
+
+Examples:
+  >>> import jax, jax.numpy as jnp, numpy as np
+  >>> import jaxembed
+  >>> from jaxembed.dynamic import DynamicTableConfig, as_keys
+  >>> cfg = DynamicTableConfig(capacity=16, bucket_size=4)
+  >>> dyn = init_table(cfg, 2)
+  >>> opt = jaxembed.optim.adagrad(0.1)
+  >>> opt_state = opt.init(dyn.table)
+  >>> ids = as_keys(np.array([[7, 2**40], [7, -1]], np.int64), check=False)  # -1: padding
+  >>> rows, dyn, opt_state, stats = prepare(cfg, dyn, opt_state, ids, 0, check_ids=False,
+  ...     initializer=jax.nn.initializers.constant(0.5), key=jax.random.key(0), optimizer=opt)
+  >>> int(stats.admitted), bool(rows[0, 0] == rows[1, 0]), int(rows[1, 1])  # 16: no row
+  (2, True, 16)
+  >>> jaxembed.embedding_bag(rows, dyn.table, check_ids=False).tolist()
+  [[1.0, 1.0], [0.5, 0.5]]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxembed.dynamic.config import DynamicState, DynamicTableConfig, StepStats
+from jaxembed.dynamic.keys import as_keys
+from jaxembed.kernels import remap, remap_native
+from jaxembed.kernels.arrays import (
+    eager,
+    move,
+    resolve_mesh,
+    stated_spec,
+    typed_like,
+    whole_on_one_device,
+)
+from jaxembed.kernels.common import check_table
+from jaxembed.optim.row_reset import (
+    axes_of,
+    check_initializer,
+    check_key,
+    initial_rows,
+    reset_rows,
+    row_leaves,
+)
+from jaxembed.optim.sparse import RowSparseOptimizer
+
+__all__ = ["IMPLS", "DynamicTable", "init_table", "prepare", "rows_for"]
+
+IMPLS = ("auto", "xla", "native")
+
+
+class DynamicTable(NamedTuple):
+    """A trainable dynamic table: the rows and the remap that owns them (a pytree).
+
+    Attributes:
+      table: f32 / bf16 `[capacity, H]`, an ordinary table (row-split like any other).
+      state: the remap's `DynamicState` (which id holds each row; replicated for now).
+    """
+
+    table: jax.Array
+    state: DynamicState
+
+
+# --- checks ----------------------------------------------------------------------------------
+
+
+def _spec2(spec: P) -> P:
+    parts = tuple(spec) + (None,) * (2 - len(tuple(spec)))
+    if len(parts) != 2:
+        raise ValueError(f"weight_spec={spec} has {len(parts)} entries: a table's has 2 (rows, H)")
+    return P(*parts)
+
+
+def _check_split(config: DynamicTableConfig, hidden: int, mesh: Any, spec: P) -> None:
+    """Raises unless the spec's axes divide the table's rows and hidden evenly."""
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    for dim, (entry, n, what) in enumerate(
+        zip(spec, (config.capacity, hidden), ("capacity", "hidden"), strict=True)
+    ):
+        axes = axes_of(entry)
+        unknown = [a for a in axes if a not in sizes]
+        if unknown:
+            raise ValueError(
+                f"weight_spec={spec} names mesh axis {unknown[0]!r}, which the mesh "
+                f"{dict(sizes)} does not have"
+            )
+        shards = math.prod(sizes[a] for a in axes)
+        if n % shards:
+            step = math.lcm(config.bucket_size, shards) if dim == 0 else shards
+            up = -(-n // step) * step
+            raise ValueError(
+                f"{what} {n} does not divide over mesh axes {axes} (size {shards}) of mesh "
+                f"{dict(sizes)}: use {what}={up} (a multiple of {step}), or split the table's "
+                "dim over fewer devices"
+            )
+
+
+def _check_dyn(config: DynamicTableConfig, dyn: Any) -> None:
+    """Raises unless `dyn` is a `DynamicTable` whose state and table fit `config`."""
+    if not isinstance(dyn, DynamicTable):
+        raise TypeError(
+            f"dyn_table must be a DynamicTable (table, state), got {type(dyn).__name__}: "
+            "make it with jaxembed.optim.dynamic.init_table(config, hidden)"
+        )
+    remap.check_state(config, dyn.state)
+    check_table(dyn.table)
+    if dyn.table.shape[0] != config.capacity:
+        h = dyn.table.shape[1]
+        raise ValueError(
+            f"dyn_table.table has {dyn.table.shape[0]} rows, but config.capacity="
+            f"{config.capacity}: a dynamic table has one row per slot; make it with "
+            f"init_table(config, {h})"
+        )
+
+
+def _check_impl(impl: Any) -> Any:
+    """The remap module `impl` names: `remap_native` where "native" (or "auto" and built)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+    if impl == "native" and not remap_native.available():
+        raise RuntimeError(
+            "impl='native': the native kernels are unavailable (no C++ compiler, or "
+            "JAXEMBED_NATIVE=0); pass impl='xla' or impl='auto'"
+        )
+    return remap_native if impl != "xla" and remap_native.available() else remap
+
+
+# --- layouts ---------------------------------------------------------------------------------
+
+
+class _Layout(NamedTuple):
+    """Where a step runs: the mesh (None: one device), the table's spec, each row leaf's."""
+
+    mesh: Any
+    table_spec: P | None
+    leaf_specs: tuple[P | None, ...]
+
+
+def _layout(config, table, leaves, mesh, weight_spec) -> _Layout:
+    mesh = resolve_mesh(mesh, table)
+    if mesh is None or mesh.size == 1:
+        return _Layout(None, None, (None,) * len(leaves))
+    spec = weight_spec if weight_spec is not None else stated_spec(table, mesh)
+    if spec is None:
+        raise ValueError(
+            "prepare: the table is traced in an Auto mesh, where its layout cannot be read, "
+            "and its rows are reset in its own layout: pass weight_spec=PartitionSpec(...) "
+            "(e.g. P('model', None) for rows split over 'model'), or use an Explicit mesh"
+        )
+    spec = _spec2(spec)
+    _check_split(config, table.shape[1], mesh, spec)
+    specs = []
+    for leaf in leaves:  # a leaf's own layout, else the one opt.init gives it
+        own = stated_spec(leaf, mesh)
+        specs.append(own if own is not None else P(spec[0], *tuple(spec)[1 : leaf.ndim]))
+    return _Layout(mesh, spec, tuple(specs))
+
+
+def _keys_spec(keys: jax.Array, mesh: Any) -> P:
+    """The keys' batch layout where it is known (the pair axis whole), else replicated."""
+    spec = stated_spec(keys, mesh)
+    if spec is None:
+        return P()
+    parts = (tuple(spec) + (None,) * keys.ndim)[: keys.ndim - 1]
+    return P(*parts, None)
+
+
+# --- the step --------------------------------------------------------------------------------
+
+
+class _Static(NamedTuple):
+    """What a step's program depends on besides its arrays (hashable: a jit static arg)."""
+
+    config: DynamicTableConfig
+    engine: Any  # remap or remap_native
+    initializer: Any
+    hidden: int  # H, the table's global width
+    layout: _Layout
+
+
+def _body(s: _Static, state, keys, t, key, table, leaves, fresh):
+    """One device's step: the remap on all ids, then the reset of the rows it holds.
+
+    With n row shards and m hidden shards (1 and 1 on one device):
+    # state, keys u32[*B, 2], t, key, fresh (one row per per-row leaf): replicated
+    # table: f[V/n, H/m]   leaves: the optimizer state's per-row leaves, [V/n, ...] each
+    """
+    res = s.engine.step(s.config, state, keys, t)  # rows i32[*B], reset_rows i32[M]
+    m = res.reset_rows.shape[0]
+    values = initial_rows(s.initializer, key, t, res.reset_rows, s.hidden, table.dtype)  # f[M, H]
+    table = reset_rows(table, s.layout.table_spec, res.reset_rows, values)
+    new_leaves = tuple(
+        reset_rows(leaf, spec, res.reset_rows, jnp.broadcast_to(f, (m, *f.shape[1:])))
+        for leaf, spec, f in zip(leaves, s.layout.leaf_specs, fresh, strict=True)
+    )
+    return res.state, res.rows, res.stats, table, new_leaves
+
+
+def _run(s: _Static, state, keys, t, key, table, leaves, fresh):
+    """The step on one device, or as one `shard_map` over the layout's mesh."""
+    lay = s.layout
+    if lay.mesh is None:
+        one = [whole_on_one_device(a) for a in (table, *leaves)]
+        state = jax.tree.map(whole_on_one_device, state)
+        out = _body(s, state, whole_on_one_device(keys), t, key, one[0], tuple(one[1:]), fresh)
+        new_state, rows, stats, new_table, new_leaves = out
+        new_table = typed_like(new_table, table)
+        new_leaves = tuple(typed_like(n, o) for n, o in zip(new_leaves, leaves, strict=True))
+        return new_state, rows, stats, new_table, new_leaves
+    mesh, rep = lay.mesh, P()
+    state = jax.tree.map(lambda a: move(a, mesh, rep), state)
+    ids_spec = _keys_spec(keys, mesh)
+    keys = move(keys, mesh, rep)  # every device runs the remap on all ids (for now)
+    fresh = tuple(move(f, mesh, rep) for f in fresh)
+    state_specs = DynamicState(*([rep] * len(DynamicState._fields)))
+    stats_specs = StepStats(*([rep] * len(StepStats._fields)))
+    step = jax.shard_map(
+        lambda *a: _body(s, *a),
+        mesh=mesh,
+        in_specs=(state_specs, rep, rep, rep, lay.table_spec, lay.leaf_specs, (rep,) * len(fresh)),
+        out_specs=(state_specs, rep, stats_specs, lay.table_spec, lay.leaf_specs),
+        check_vma=False,  # the native remap is a custom call, typed by no VMA rule
+    )
+    new_state, rows, stats, new_table, new_leaves = step(
+        state, keys, t, key, table, tuple(leaves), fresh
+    )
+    rows = move(rows, mesh, P(*tuple(ids_spec)[:-1])) if tuple(ids_spec) else rows
+    return new_state, rows, stats, new_table, new_leaves
+
+
+_run_jit = jax.jit(_run, static_argnums=0)
+
+
+def _same_sharding(new: Any, old: Any) -> Any:
+    """`new` with `old`'s sharding where they are the same layout spelled otherwise (a jitted
+    program gives `P('model',)` for `P('model', None)`), so the next step's cache key holds."""
+    if getattr(new, "sharding", None) == getattr(old, "sharding", None):
+        return new
+    if not isinstance(getattr(old, "sharding", None), NamedSharding):
+        return new
+    if new.sharding.is_equivalent_to(old.sharding, new.ndim):
+        return jax.device_put(new, old.sharding)
+    return new
+
+
+def prepare(
+    config: DynamicTableConfig,
+    dyn_table: DynamicTable,
+    opt_state: Any,
+    ids: Any,
+    step_index: Any,
+    *,
+    initializer: Any,
+    key: Any,
+    optimizer: RowSparseOptimizer | None,
+    impl: str = "auto",
+    mesh: Any = None,
+    weight_spec: P | None = None,
+    check_ids: bool = True,
+) -> tuple[jax.Array, DynamicTable, Any, StepStats]:
+    """One training step's remap: raw ids to rows, with the rows it (re)assigns reset.
+
+    Runs the remap step (count, admit, evict, touch: `jaxembed.kernels.remap.step`), then, in
+    the same step and before anything reads them, re-initialises every row in its
+    `reset_rows`: the table's row from `initializer` (deterministic from `key`, the step and
+    the row), the optimizer state's per-row leaves to `optimizer.init`'s values. Jit the
+    training step with `dyn_table` and `opt_state` donated: the resets write in place.
+
+    Args:
+      config: the table's `DynamicTableConfig` (static).
+      dyn_table: its `DynamicTable` (`init_table`).
+      opt_state: `optimizer.init(dyn_table.table)`, or None with `optimizer=None`.
+      ids: the batch's raw ids, any shape, in a form `jaxembed.dynamic.as_keys` takes: keys
+        `uint32[*B, 2]` under `jit` without x64 (convert int64 ids with `as_keys` outside the
+        jitted step). The reserved id `EMPTY_ID` (int64 -1) is padding: it gets no row.
+      step_index: t, an int32 scalar, non-decreasing from step to step.
+      initializer: `(key, shape, dtype) -> array`, as `jax.nn.initializers` makes; called
+        with shape `(1, H)` for each reset row.
+      key: a PRNG key (`jax.random.key(0)`); row r reset at step t reads
+        `initializer(fold_in(fold_in(key, t), r), (1, H), dtype)[0]`.
+      optimizer: the `RowSparseOptimizer` of `opt_state`, or None (no optimizer state).
+      impl: the remap's engine: `"xla"`, `"native"` (C++), or `"auto"` (native where built).
+      mesh: the mesh; default `jax.set_mesh`'s, else the table's.
+      weight_spec: the table's layout where it cannot be read (traced in an Auto mesh).
+      check_ids: raise for concrete ids equal to `EMPTY_ID` (True), or take them as padding
+        (False), as traced ids always are.
+
+    Returns:
+      `(rows, dyn_table, opt_state, stats)`: rows int32 `[*B]` (each id's row; `capacity`,
+      outside the table, for an id without one: it reads zeros and gets no gradient), laid
+      out like the ids where their layout is known; the new table and optimizer state in
+      their layouts; the step's `StepStats` (hits, admitted, evicted, refused, pending,
+      reserved).
+
+    Raises:
+      TypeError: ids in no accepted form (floats, int32 ids without the pair axis: int64 ids
+        narrowed by `jit`), a `dyn_table` that is no `DynamicTable`, a key that is no PRNG
+        key, an initializer that is no function, an optimizer that is not row-sparse.
+      ValueError: a table or state that does not fit `config`, an initializer giving another
+        shape, an optimizer state of another optimizer or table, a split that does not
+        divide, a traced table in an Auto mesh without `weight_spec`.
+      RuntimeError: `impl="native"` without the native kernels.
+
+    Examples:
+      >>> import jax, numpy as np
+      >>> from jaxembed.dynamic import DynamicTableConfig, as_keys
+      >>> cfg = DynamicTableConfig(capacity=8, bucket_size=4, admit_after=2)
+      >>> dyn = init_table(cfg, 4)
+      >>> ids = as_keys(np.array([3, 3, 5], np.int64))
+      >>> rows, dyn, _, stats = prepare(cfg, dyn, None, ids, 0, optimizer=None,
+      ...     initializer=jax.nn.initializers.normal(0.1), key=jax.random.key(0))
+      >>> rows.tolist(), int(stats.admitted), int(stats.pending)   # 3 seen twice: admitted
+      ([0, 0, 8], 1, 1)
+    """
+    engine = _check_impl(impl)
+    _check_dyn(config, dyn_table)
+    table = dyn_table.table
+    hidden = table.shape[1]
+    keys = as_keys(ids, check=check_ids)
+    t = remap.check_step_index(step_index)
+    check_key(key)
+    check_initializer(initializer, key, hidden, table.dtype)
+    split = row_leaves(optimizer, opt_state, config.capacity, hidden, table.dtype)
+    leaves = split.rows
+    layout = _layout(config, table, leaves, mesh, weight_spec)
+    static = _Static(config, engine, initializer, hidden, layout)
+    args = (dyn_table.state, keys, t, key, table, leaves, split.fresh)
+    if eager(dyn_table, leaves, keys, key):  # one program, not a shard_map op by op
+        new_state, rows, stats, new_table, new_leaves = _run_jit(static, *args)
+        new_state = jax.tree.map(_same_sharding, new_state, dyn_table.state)
+        new_table = _same_sharding(new_table, table)
+        new_leaves = tuple(map(_same_sharding, new_leaves, leaves))
+    else:
+        new_state, rows, stats, new_table, new_leaves = _run(static, *args)
+    opt_state = split.rebuild(new_leaves)  # None without an optimizer
+    return rows, DynamicTable(new_table, new_state), opt_state, stats
+
+
+# --- construction and serving ----------------------------------------------------------------
+
+
+def init_table(
+    config: DynamicTableConfig,
+    hidden: int,
+    *,
+    dtype: Any = jnp.float32,
+    mesh: Any = None,
+    weight_spec: P | None = None,
+) -> DynamicTable:
+    """An empty dynamic table: zero rows (each is initialised when an id is admitted to it)
+    and an empty remap, laid out on `mesh` (the table as `weight_spec`, the state replicated).
+
+    Args:
+      config: the table.
+      hidden: H, the row width.
+      dtype: the table's dtype (float32 or bfloat16).
+      mesh: a `Mesh` to place the arrays on; default `jax.set_mesh`'s (if any).
+      weight_spec: the table's layout, e.g. `P("model", None)` (rows split over `"model"`);
+        default replicated.
+
+    Returns:
+      A `DynamicTable`.
+
+    Raises:
+      ValueError: a hidden that is not a positive int, a split that does not divide.
+
+    Examples:
+      >>> import jax
+      >>> from jax.sharding import PartitionSpec as P
+      >>> from jaxembed.dynamic import DynamicTableConfig
+      >>> mesh = jax.make_mesh((8,), ("model",))
+      >>> dyn = init_table(DynamicTableConfig(capacity=64, bucket_size=8), 4, mesh=mesh,
+      ...                  weight_spec=P("model", None))
+      >>> dyn.table.sharding.spec, dyn.state.keys.sharding.spec
+      (P('model', None), P())
+    """
+    remap.init_state(config)  # checks the config
+    if isinstance(hidden, bool) or not isinstance(hidden, int | np.integer) or hidden < 1:
+        raise ValueError(f"hidden={hidden!r} must be a positive int, the width of a row")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"dtype={np.dtype(dtype).name} must be a float dtype (e.g. float32)")
+    table = jnp.zeros((config.capacity, int(hidden)), dtype)
+    state = remap.init_state(config)
+    mesh = resolve_mesh(mesh)
+    if mesh is None:
+        if weight_spec is not None:
+            raise ValueError(
+                f"init_table: weight_spec={weight_spec} needs a mesh: pass mesh=jax.make_mesh"
+                "(...) or call it under jax.set_mesh(mesh)"
+            )
+        return DynamicTable(table, state)
+    spec = _spec2(weight_spec if weight_spec is not None else P())
+    _check_split(config, int(hidden), mesh, spec)
+    if not isinstance(mesh, jax.sharding.Mesh):  # an AbstractMesh, from jax.set_mesh
+        mesh = jax.sharding.get_mesh()
+        if mesh.empty:
+            raise ValueError("init_table: pass a concrete jax.sharding.Mesh to place the table on")
+    place = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+    return DynamicTable(place(table, spec), jax.tree.map(lambda a: place(a, P()), state))
+
+
+def rows_for(
+    config: DynamicTableConfig, state: DynamicState | DynamicTable, ids: Any, *,
+    impl: str = "auto", mesh: Any = None,
+) -> jax.Array:  # fmt: skip
+    """Each id's row for serving and evaluation: read-only, no admission, no counting.
+
+    Args:
+      config: the table.
+      state: its `DynamicState` (or the `DynamicTable`).
+      ids: raw ids in a form `jaxembed.dynamic.as_keys` takes (keys under `jit`).
+      impl: `"xla"` (plain StableHLO: an exported serving function needs no jaxembed),
+        `"native"`, or `"auto"` (native where built).
+      mesh: the mesh; default `jax.set_mesh`'s, else the state's. Each device looks up the
+        ids it holds (the state is replicated).
+
+    Returns:
+      int32 `[*B]`: each id's row, `capacity` for an id without one (it reads zeros).
+
+    Examples:
+      >>> import numpy as np
+      >>> from jaxembed.dynamic import DynamicTableConfig
+      >>> cfg = DynamicTableConfig(capacity=8, bucket_size=4)
+      >>> dyn = init_table(cfg, 2)
+      >>> rows_for(cfg, dyn, np.array([5, 6], np.int64)).tolist()    # nothing admitted yet
+      [8, 8]
+    """
+    engine = _check_impl(impl)
+    if isinstance(state, DynamicTable):
+        state = state.state
+    remap.check_state(config, state)
+    keys = as_keys(ids)
+    mesh = resolve_mesh(mesh, state.keys, keys)
+    if mesh is None or mesh.size == 1:
+        return engine.lookup(config, jax.tree.map(whole_on_one_device, state),
+                             whole_on_one_device(keys))[0]  # fmt: skip
+    spec, rep = _keys_spec(keys, mesh), P()
+    state = jax.tree.map(lambda a: move(a, mesh, rep), state)
+    keys = move(keys, mesh, spec)
+    out = P(*tuple(spec)[:-1])
+    look = jax.shard_map(
+        lambda st, k: engine.lookup(config, st, k)[0],
+        mesh=mesh,
+        in_specs=(DynamicState(*([rep] * len(DynamicState._fields))), spec),
+        out_specs=out,
+        check_vma=False,
+    )
+    if eager(state, keys):
+        look = jax.jit(look)
+    return look(state, keys)

@@ -1,0 +1,294 @@
+"""Load an artifact of `jaxembed.serving.export_inference` and run it, with jax alone.
+
+This file stands alone: it imports the standard library, numpy and jax, never jaxembed, so a
+serving process copies it next to the artifact (`jaxembed.serving.save` writes a copy there)
+and runs the model without installing jaxembed:
+
+    import loader                              # this file, copied beside the artifact
+    model = loader.load("artifacts/ranker")    # deserialize, read the params, compile
+    scores = model(ids, dense)                 # the exported function's arguments, no params
+
+An artifact is a directory of
+
+* `manifest.json`: the format, the jax that exported it, the platforms, the native FFI
+  targets it calls (if any), and each parameter leaf by name (its `jax.tree_util.keystr`
+  path, e.g. `['tables'][0].data`) with its dtype and shape, in the order the exported
+  function takes them; then the arguments' shapes and dtypes;
+* `params.npz`: the leaves, one array per name (dtypes numpy lacks, e.g. bfloat16, are stored
+  as unsigned integers of their width and viewed back);
+* `exported.bin`: the serialized `jax.export.Exported`, whose first argument is the tuple of
+  leaves and whose other arguments are those of the user's function.
+
+An artifact that calls jaxembed's native kernels (`native_targets` in its manifest) needs
+them registered as XLA FFI targets before it compiles: `load(path,
+register=jaxembed.serving.register)`, in a process that has jaxembed.
+
+It is tested in a process where `import jaxembed` fails (tests/test_serving_export.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "EXPORTED",
+    "FORMAT",
+    "MANIFEST",
+    "PARAMS",
+    "Model",
+    "custom_call_targets",
+    "load",
+    "read_manifest",
+    "stored_dtype",
+]
+
+FORMAT = "jaxembed.serving/1"
+"""The artifact format this loader reads (the manifest's `format`)."""
+
+MANIFEST, PARAMS, EXPORTED = "manifest.json", "params.npz", "exported.bin"
+"""The artifact's file names."""
+
+_TARGET = re.compile(r'custom_call\s*@([\w.$-]+)|call_target_name\s*=\s*"([^"]+)"')
+
+
+def custom_call_targets(mlir_text: str) -> tuple[str, ...]:
+    """The custom-call targets a StableHLO module's text calls, sorted, each once.
+
+    Args:
+      mlir_text: `exported.mlir_module()`, in its pretty or generic form.
+
+    Returns:
+      The target names, e.g. `("jaxembed_pool_sum",)`; `()` for a module of plain ops.
+
+    Examples:
+      >>> custom_call_targets('%0 = stablehlo.custom_call @jaxembed_pool_sum(%a) : ...')
+      ('jaxembed_pool_sum',)
+    """
+    return tuple(sorted({a or b for a, b in _TARGET.findall(mlir_text)}))
+
+
+def stored_dtype(dtype: Any) -> np.dtype:
+    """The numpy dtype a leaf of `dtype` is stored as in `params.npz`: itself where numpy's
+    format holds it, else the unsigned integer of its width (bfloat16 -> uint16, the float8
+    types -> uint8), whose bits are the value's."""
+    dtype = jnp.dtype(dtype)
+    return dtype if dtype.kind != "V" else np.dtype(f"u{dtype.itemsize}")
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The artifact's manifest, checked for the format this loader reads.
+
+    Raises:
+      FileNotFoundError: `path` holds no `manifest.json`.
+      ValueError: a manifest of another format.
+    """
+    file = Path(path) / MANIFEST
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{file} does not exist: load() takes the directory jaxembed.serving.save(artifact, "
+            "path) wrote (manifest.json, params.npz, exported.bin)"
+        )
+    manifest = json.loads(file.read_text())
+    if manifest.get("format") != FORMAT:
+        raise ValueError(
+            f"{file} is of format {manifest.get('format')!r}, and this loader reads {FORMAT!r}: "
+            "load it with the loader.py saved beside it, or export the model again"
+        )
+    return manifest
+
+
+def _describe(dtype: Any, shape: Any) -> str:
+    return f"{jnp.dtype(dtype).name}[{', '.join(str(d) for d in shape)}]"
+
+
+def _check_leaf(name: str, array: Any, entry: Mapping[str, Any], source: str) -> None:
+    want, got = (entry["dtype"], tuple(entry["shape"])), (jnp.dtype(array.dtype).name, array.shape)
+    if want != got:
+        raise ValueError(
+            f"parameter leaf {name} from {source} is {_describe(*got)}, but the model was "
+            f"exported for {_describe(*want)}: pass an array of that dtype and shape (cast with "
+            f"x.astype('{want[0]}')), or export the model again for the new one"
+        )
+
+
+def _read_leaves(
+    path: Path, manifest: Mapping[str, Any], params: Mapping[str, Any] | None
+) -> list[Any]:
+    """The leaves in the exported order: `params[name]` where given, else from the npz."""
+    entries = manifest["params"]
+    given = dict(params or {})
+    unknown = sorted(set(given) - {e["name"] for e in entries})
+    if unknown:
+        raise ValueError(
+            f"params names leaves the model does not have: {unknown}; its leaves are "
+            f"{[e['name'] for e in entries]}"
+        )
+    missing = [e["name"] for e in entries if e["name"] not in given]
+    stored = None
+    if missing:
+        file = path / PARAMS
+        if manifest.get("params_file") is None or not file.is_file():
+            raise ValueError(
+                f"{path} was saved without its parameters (save(..., params=False)), and "
+                f"params= lacks the leaves {missing}: pass them, e.g. load(path, "
+                "params=other.params) with the model of the same weights loaded first"
+            )
+        stored = np.load(file, allow_pickle=False)
+    leaves = []
+    for entry in entries:
+        name = entry["name"]
+        if name in given:
+            array, source = given[name], "params="
+        else:
+            if name not in stored.files:
+                raise ValueError(f"{path / PARAMS} has no array {name!r}: save the artifact again")
+            array, source = stored[name], str(path / PARAMS)
+            dtype = jnp.dtype(entry["dtype"])
+            if stored_dtype(dtype) != dtype and array.dtype == stored_dtype(dtype):
+                array = array.view(dtype)  # e.g. bfloat16's bits, stored as uint16
+        _check_leaf(name, array, entry, source)
+        leaves.append(array)
+    return leaves
+
+
+class Model:
+    """A loaded artifact: call it with the exported function's arguments (without params).
+
+    Attributes:
+      exported: the deserialized `jax.export.Exported`.
+      manifest: the artifact's manifest.
+      leaf_names: the parameter leaves' names, in the order the function takes them.
+      params: `{name: array}`, the leaves on the device (pass them to `load(..., params=)` of
+        another artifact of the same model, e.g. another batch size).
+    """
+
+    def __init__(self, exported: Any, manifest: dict[str, Any], leaves: list[Any], device: Any):
+        self.exported = exported
+        self.manifest = manifest
+        self.leaf_names = tuple(e["name"] for e in manifest["params"])
+        self._leaves = tuple(jax.device_put(leaf, device) for leaf in leaves)
+        self.params = dict(zip(self.leaf_names, self._leaves, strict=True))
+        self._jitted = jax.jit(exported.call)
+        self._compiled = None
+
+    def compile(self) -> None:
+        """Compiles the function for the exported arguments' shapes (when none is symbolic),
+        so that the first call does not; `load` calls it."""
+        avals = self.exported.in_avals[len(self._leaves) :]
+        if not all(isinstance(d, int) for a in avals for d in a.shape):
+            return
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+        (_, *args), _ = jax.tree.unflatten(self.exported.in_tree, [*self._leaves, *specs])
+        self._compiled = self._jitted.lower(self._leaves, *args).compile()
+
+    def __call__(self, *args: Any) -> Any:
+        """The exported function of `args` (arrays shaped as exported; see `manifest["args"]`)."""
+        if self._compiled is not None:
+            try:
+                return self._compiled(self._leaves, *args)
+            except TypeError:  # other shapes or dtypes than compiled for: jit checks them
+                pass
+        try:
+            return self._jitted(self._leaves, *args)
+        except ValueError as e:
+            if "mismatch for args[" not in str(e):
+                raise
+            takes = ", ".join(_describe(a["dtype"], a["shape"]) for a in self.manifest["args"])
+            raise ValueError(
+                f"{e} (args[0] there is the parameters, args[1] the model's first input): the "
+                f"model was exported for inputs ({takes}); export it again for other shapes"
+            ) from e
+
+    def __repr__(self) -> str:
+        args = ", ".join(_describe(a["dtype"], a["shape"]) for a in self.manifest["args"])
+        native = self.manifest["native_targets"]
+        return (
+            f"Model({self.manifest['function']}({args}), {len(self.leaf_names)} parameter "
+            f"leaves, platforms={tuple(self.manifest['platforms'])}"
+            f"{f', native={tuple(native)}' if native else ''})"
+        )
+
+
+def load(
+    path: str | Path,
+    *,
+    register: Callable[[], Any] | None = None,
+    params: Mapping[str, Any] | None = None,
+    device: Any = None,
+    compile: bool = True,
+) -> Model:
+    """Loads an artifact saved by `jaxembed.serving.save`, ready to call.
+
+    Args:
+      path: the artifact's directory.
+      register: called first, to register the FFI targets of an artifact that calls native
+        kernels (`jaxembed.serving.register`); required for one, ignored otherwise.
+      params: `{leaf name: array}` replacing leaves of `params.npz` (e.g. retrained weights
+        of the same shapes, or `Model.params` of another artifact of the model saved with
+        `params=False`); each is checked against the exported dtype and shape.
+      device: where the parameters live and the function runs; default `jax.devices()[0]`.
+      compile: compile for the exported shapes now, not on the first call.
+
+    Returns:
+      A `Model`: `model(*args)` runs the exported function on the loaded parameters.
+
+    Raises:
+      FileNotFoundError: no artifact at `path`.
+      ValueError: another format; a leaf missing or of another dtype or shape (named); a
+        function exported for more devices than one or a platform this process lacks.
+      RuntimeError: a native artifact without `register`, or whose targets are not
+        registered after it.
+    """
+    path = Path(path)
+    manifest = read_manifest(path)
+    native = manifest["native_targets"]
+    if native and register is None:
+        raise RuntimeError(
+            f"{path} calls jaxembed's native kernels (FFI targets {', '.join(native)}), which "
+            "must be registered before it runs: load(path, register=jaxembed.serving.register) "
+            "in a process with jaxembed, or export the model again with impl='xla' in every "
+            "lookup and native=False, which needs no jaxembed"
+        )
+    if register is not None:
+        register()
+    exported = jax.export.deserialize(bytearray((path / EXPORTED).read_bytes()))
+    device = jax.devices()[0] if device is None else device
+    if exported.nr_devices != 1:
+        raise ValueError(
+            f"{path} was exported for {exported.nr_devices} devices, and this loader runs "
+            "one-device functions: export the lookups without a mesh (or on a 1-device mesh)"
+        )
+    if device.platform not in exported.platforms:
+        raise ValueError(
+            f"{path} was exported for platforms {exported.platforms}, not {device.platform!r}: "
+            f"export it with platforms=('{device.platform}', ...)"
+        )
+    leaves = _read_leaves(path, manifest, params)
+    taken = exported.in_tree.children()[0].children()[0]  # ((leaves, *args), {}) -> leaves
+    if taken.num_leaves != len(leaves):
+        raise ValueError(
+            f"{path / MANIFEST} names {len(leaves)} parameter leaves, but {EXPORTED} takes "
+            f"{taken.num_leaves}: the files are of different exports; save the artifact again"
+        )
+    for leaf, aval, entry in zip(leaves, exported.in_avals, manifest["params"], strict=False):
+        _check_leaf(entry["name"], leaf, {"dtype": aval.dtype.name, "shape": aval.shape}, EXPORTED)
+    model = Model(exported, manifest, leaves, device)
+    if compile:
+        try:
+            model.compile()
+        except jax.errors.JaxRuntimeError as e:
+            if "FFI handler" not in str(e):
+                raise
+            raise RuntimeError(
+                f"{path} calls FFI targets {', '.join(native)} that this process has not "
+                f"registered ({e}): pass register=jaxembed.serving.register"
+            ) from e
+    return model

@@ -1,0 +1,288 @@
+"""Serving (`jaxembed.serving`): an exported inference function runs where jaxembed is not.
+
+A small ranker (three pooled features, sum and mean bags, and a 2-layer MLP) is exported with
+float, int8 and int4 tables and saved; one fresh subprocess, in which `import jaxembed` fails,
+loads each artifact with the copied `loader.py` and runs it: float outputs equal the in-process
+ones within 1e-6, quantized ones bitwise. The same subprocess then loads a native export
+(custom calls to jaxembed's FFI kernels) after registering them. The bad inputs (native calls
+in an XLA export, parameters of another shape or dtype, a native artifact loaded without its
+kernels) fail with errors that name the value and the fix.
+"""
+
+import ast
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxembed
+from jaxembed import serving
+from jaxembed.kernels import native
+from jaxembed.quant import quantize
+
+ROOT = Path(__file__).resolve().parents[1]
+V, H, L, BATCH, DENSE, HIDDEN = 40, 8, 4, 6, 3, 16  # rows, dim, ids a bag, batch, dense, MLP
+COMBINERS = ("sum", "mean", "sum")  # one table a feature
+needs_native = pytest.mark.skipif(
+    not native.available(), reason=f"native kernels unavailable: {native.why_unavailable()}"
+)
+
+
+def _ranker(lookup):
+    def ranker(params, ids, dense):  # ids: i32[B, F, L]   dense: f32[B, D]
+        pooled = [
+            lookup(ids[:, f], table, combiner)  # f32[B, H]
+            for f, (table, combiner) in enumerate(zip(params["tables"], COMBINERS, strict=True))
+        ]
+        x = jnp.concatenate([*pooled, dense], axis=-1)  # f32[B, F·H + D]
+        (w1, b1), (w2, b2) = ((layer["w"], layer["b"]) for layer in params["mlp"])
+        hidden = jax.nn.relu(x @ w1 + b1[None])  # f32[B, HIDDEN]
+        return {"pooled": jnp.stack(pooled, axis=1), "score": hidden @ w2 + b2[None]}
+
+    return ranker
+
+
+LOOKUPS = {  # how each variant's tables are read
+    "float": lambda ids, t, c: jaxembed.embedding_bag(ids, t, combiner=c, impl="xla"),
+    "int8": lambda ids, t, c: jaxembed.embedding_bag(ids, t, combiner=c, impl="xla"),
+    "int4": lambda ids, t, c: jaxembed.embedding_bag(ids, t, combiner=c, impl="xla"),
+    "native": lambda ids, t, c: jaxembed.embedding_bag(ids, t, combiner=c, impl="native"),
+}
+
+
+def _params(precision):
+    rng = np.random.default_rng(0)
+    tables = [jnp.asarray(rng.standard_normal((V, H)), jnp.float32) for _ in COMBINERS]
+    if precision in ("int8", "int4"):
+        tables = [quantize(t, precision) for t in tables]
+    sizes = [len(COMBINERS) * H + DENSE, HIDDEN, 1]
+    mlp = [
+        {"w": jnp.asarray(rng.standard_normal((m, n)) / np.sqrt(m), jnp.float32),
+         "b": jnp.asarray(rng.standard_normal(n) * 0.1, jnp.float32)}
+        for m, n in itertools.pairwise(sizes)
+    ]  # fmt: skip
+    return {"tables": tables, "mlp": mlp}
+
+
+def _inputs():
+    rng = np.random.default_rng(1)
+    ids = rng.integers(-1, V, (BATCH, len(COMBINERS), L)).astype(np.int32)  # -1: empty slots
+    ids[0, 1] = -1  # an empty mean bag
+    return ids, rng.standard_normal((BATCH, DENSE)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """Every variant exported and saved under one directory, with the inputs and the
+    in-process outputs: `{variant: (artifact, expected outputs)}` and the directory."""
+    work = tmp_path_factory.mktemp("serving")
+    ids, dense = _inputs()
+    np.savez(work / "inputs.npz", ids=ids, dense=dense)
+    variants = ["float", "int8", "int4"] + (["native"] if native.available() else [])
+    out = {}
+    for name in variants:
+        fn, params = _ranker(LOOKUPS[name]), _params(name)
+        artifact = serving.export_inference(
+            fn, params, jnp.asarray(ids), jnp.asarray(dense), native=name == "native"
+        )
+        serving.save(artifact, work / name)
+        expected = jax.tree.map(np.asarray, jax.jit(fn)(params, ids, dense))
+        out[name] = artifact, expected
+    shutil.copyfile(ROOT / "jaxembed" / "serving" / "loader.py", work / "loader.py")
+    return out, work
+
+
+CHILD = """
+import sys
+from pathlib import Path
+
+sys.modules["jaxembed"] = None  # from here on, `import jaxembed` raises ImportError
+try:
+    import jaxembed
+except ImportError:
+    pass
+else:
+    raise SystemExit("jaxembed was importable")
+work, root = Path(sys.argv[1]), sys.argv[2]
+sys.path.insert(0, str(work))
+import numpy as np
+import loader  # the copy beside the artifacts
+
+inputs = np.load(work / "inputs.npz")
+out = {}
+for name in ("float", "int8", "int4"):
+    result = loader.load(work / name)(inputs["ids"], inputs["dense"])
+    out.update({f"{name}/{k}": np.asarray(v) for k, v in result.items()})
+leaked = [m for m, v in sys.modules.items() if m.startswith("jaxembed") and v is not None]
+assert not leaked, leaked
+if (work / "native").exists():  # a native artifact: register jaxembed's kernels first
+    del sys.modules["jaxembed"]
+    sys.path.append(root)
+    import jaxembed.serving
+
+    model = loader.load(work / "native", register=jaxembed.serving.register)
+    result = model(inputs["ids"], inputs["dense"])
+    out.update({f"native/{k}": np.asarray(v) for k, v in result.items()})
+np.savez(work / "outputs.npz", **out)
+"""
+
+
+@pytest.fixture(scope="module")
+def reloaded(exported):
+    """The outputs of one fresh process that loads every artifact: `{"float/score": ...}`."""
+    _, work = exported
+    (work / "child.py").write_text(CHILD)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
+    proc = subprocess.run(
+        [sys.executable, str(work / "child.py"), str(work), str(ROOT)],
+        cwd=work, env=env | {"JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with np.load(work / "outputs.npz") as f:
+        return dict(f)
+
+
+@pytest.mark.parametrize("name", ["float", "int8", "int4"])
+def test_an_xla_export_has_no_custom_call_of_jaxembed(exported, name):
+    artifact, _ = exported[0][name]
+    text = artifact.exported.mlir_module()
+    assert "jaxembed_" not in text.replace("jaxembed_version", "")
+    assert serving.native_targets(artifact.exported) == artifact.native_targets == ()
+    manifest = json.loads((exported[1] / name / "manifest.json").read_text())
+    assert manifest["native_targets"] == [] and manifest["nr_devices"] == 1
+
+
+def test_the_float_model_reloads_without_jaxembed(exported, reloaded):
+    _, expected = exported[0]["float"]
+    for key in ("pooled", "score"):
+        np.testing.assert_allclose(reloaded[f"float/{key}"], expected[key], rtol=1e-6, atol=1e-7)
+    assert not expected["pooled"][0, 1].any()  # the empty mean bag: zeros
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_a_quantized_model_reloads_bitwise(exported, reloaded, name):
+    _, expected = exported[0][name]
+    for key in ("pooled", "score"):
+        np.testing.assert_array_equal(reloaded[f"{name}/{key}"], expected[key])
+
+
+@needs_native
+def test_a_native_export_loads_where_the_kernels_are_registered(exported, reloaded):
+    artifact, expected = exported[0]["native"]
+    assert artifact.native_targets == ("jaxembed_pool_sum",)
+    assert "custom_call @jaxembed_pool_sum" in artifact.exported.mlir_module()
+    for key in ("pooled", "score"):
+        np.testing.assert_allclose(reloaded[f"native/{key}"], expected[key], rtol=1e-6, atol=1e-7)
+
+
+@needs_native
+def test_native_kernels_in_an_xla_export_are_refused(exported):
+    ids, dense = (jnp.asarray(a) for a in _inputs())
+    fn = _ranker(LOOKUPS["native"])
+    with pytest.raises(
+        ValueError,
+        match=r"ranker calls jaxembed's native kernels \(custom calls jaxembed_pool_sum\).*"
+        r"impl='xla'.*DisabledSafetyCheck\.custom_call\('jaxembed_pool_sum'\)",
+    ):
+        serving.export_inference(fn, _params("float"), ids, dense)
+
+
+@needs_native
+def test_a_native_artifact_needs_its_kernels_registered(exported):
+    with pytest.raises(RuntimeError, match=r"FFI targets jaxembed_pool_sum.*register=jaxembed"):
+        serving.load(exported[1] / "native")
+
+
+def test_the_manifest_names_each_leaf_and_the_loader_is_copied(exported):
+    artifact, _ = exported[0]["int4"]
+    work = exported[1] / "int4"
+    manifest = json.loads((work / "manifest.json").read_text())
+    leaves = {e["name"]: (e["dtype"], tuple(e["shape"])) for e in manifest["params"]}
+    assert leaves["['tables'][0].data"] == ("uint8", (V, H // 2))
+    assert leaves["['tables'][2].scale"] == ("float16", (V,))
+    assert leaves["['mlp'][1]['w']"] == ("float32", (HIDDEN, 1))
+    assert [e["name"] for e in manifest["params"]] == list(artifact.leaf_names)
+    assert [a["shape"] for a in manifest["args"]] == [[BATCH, 3, L], [BATCH, DENSE]]
+    assert (work / "loader.py").read_bytes() == Path(serving.loader.__file__).read_bytes()
+
+
+def test_the_loader_imports_only_the_standard_library_numpy_and_jax():
+    tree = ast.parse(Path(serving.loader.__file__).read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                for a in n.names}  # fmt: skip
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert imported - set(sys.stdlib_module_names) == {"jax", "numpy"}
+
+
+@pytest.mark.parametrize(
+    "leaf, bad, message",
+    [
+        ("['mlp'][0]['w']", np.zeros((3 * H + DENSE, HIDDEN + 1), np.float32),
+         r"leaf \['mlp'\]\[0\]\['w'\] from params= is float32\[27, 17\], but the model was exported for float32\[27, 16\]"),
+        ("['tables'][1]", np.zeros((V, H), np.float16),
+         r"leaf \['tables'\]\[1\] from params= is float16\[40, 8\].*float32\[40, 8\].*astype\('float32'\)"),
+    ],
+)  # fmt: skip
+def test_params_of_another_shape_or_dtype_name_the_leaf(exported, leaf, bad, message):
+    with pytest.raises(ValueError, match=message):
+        serving.load(exported[1] / "float", params={leaf: bad}, compile=False)
+
+
+def test_a_tampered_npz_names_the_leaf(exported, tmp_path):
+    shutil.copytree(exported[1] / "float", tmp_path / "float")
+    with np.load(tmp_path / "float" / "params.npz") as f:
+        stored = dict(f)
+    stored["['mlp'][1]['b']"] = np.zeros((2,), np.float32)
+    np.savez(tmp_path / "float" / "params.npz", **stored)
+    with pytest.raises(
+        ValueError, match=r"leaf \['mlp'\]\[1\]\['b'\] from .*params\.npz is float32\[2\]"
+    ):
+        serving.load(tmp_path / "float", compile=False)
+
+
+def test_an_artifact_saved_without_params_shares_anothers(exported, tmp_path):
+    artifact, expected = exported[0]["int8"]
+    ids, dense = _inputs()
+    first = serving.load(exported[1] / "int8")
+    serving.save(artifact, tmp_path / "shared", params=False)
+    assert not (tmp_path / "shared" / "params.npz").exists()
+    with pytest.raises(ValueError, match=r"saved without its parameters .* params=other\.params"):
+        serving.load(tmp_path / "shared")
+    second = serving.load(tmp_path / "shared", params=first.params)
+    np.testing.assert_array_equal(np.asarray(second(ids, dense)["score"]), expected["score"])
+
+
+def test_bfloat16_leaves_are_stored_as_their_bits(tmp_path):
+    table = jnp.asarray(np.random.default_rng(2).standard_normal((V, H)), jnp.bfloat16)
+    fn = lambda p, ids: jaxembed.embedding_bag(ids, p["t"], combiner="sum", impl="xla")
+    ids = _inputs()[0][:, 0]
+    path = serving.save(serving.export_inference(fn, {"t": table}, ids), tmp_path / "bf16")
+    assert json.loads((path / "manifest.json").read_text())["params"][0]["stored_as"] == "uint16"
+    got = serving.load(path)(ids)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        np.asarray(got, np.float32), np.asarray(fn({"t": table}, ids), np.float32)
+    )
+
+
+def test_a_leaf_that_is_not_an_array_is_named():
+    with pytest.raises(TypeError, match=r"params\['scale'\] is a str, not an array"):
+        serving.export_inference(lambda p, x: x, {"scale": "2"}, jnp.zeros(2))
+
+
+def test_inputs_of_another_shape_say_what_the_model_takes(exported):
+    ids, dense = _inputs()
+    model = serving.load(exported[1] / "float", compile=False)
+    with pytest.raises(
+        ValueError, match=r"exported for inputs \(int32\[6, 3, 4\], float32\[6, 3\]\)"
+    ):
+        model(ids[:2], dense[:2])
