@@ -42,6 +42,8 @@ SUBCOMMANDS = {
     "recsys-floor": "benchmarks.recsys.floor",
     "recsys-processes": "benchmarks.recsys.processes",
     "serving": "benchmarks.serving.latency",
+    "dynamic-auc": "benchmarks.dynamic.auc",
+    "quant-fbgemm": "benchmarks.quant.fbgemm",
 }
 """`python -m benchmarks NAME ...` runs `main` of this module; no NAME runs `layouts`."""
 

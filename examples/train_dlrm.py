@@ -78,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tables-out", default=None, help="write the final tables (.npz) here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--processes", type=int, default=1, help="processes (jaxembed.launch)")
+    p.add_argument("--quantized", default="",
+                   help="after training, also evaluate the tables quantized row-wise at these "
+                   "precisions, e.g. int8,int4 (coll.quantized): AUC and table bytes")  # fmt: skip
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
@@ -279,6 +282,32 @@ def evaluate(eval_logits, state, eval_batches: list, mesh) -> tuple[float, float
         labels.append(batch.labels)
     logits, labels = np.concatenate(logits), np.concatenate(labels)
     return log_loss(logits, labels), auc(logits, labels)
+
+
+def evaluate_quantized(model, coll, precisions, eval_batches, mesh) -> dict:
+    """Per precision, the eval (log loss, AUC) with the tables quantized row-wise
+    (`coll.quantized`, a serving copy) and the tables' bytes, against the float tables'."""
+
+    @nnx.jit
+    def logits_of(model, served, dense, ids):
+        return jax.sharding.reshard(model(dense, served(ids)), P())
+
+    float_bytes = sum(s.get_value().nbytes for s in coll.stacks.values())
+    out = {}
+    for precision in precisions:
+        served = coll.quantized(precision)
+        logits, labels = [], []
+        for batch in eval_batches:
+            dense, ids, _ = place_batch(batch, mesh)
+            logits.append(np.asarray(logits_of(model, served, dense, ids), np.float64))
+            labels.append(batch.labels)
+        logits, labels = np.concatenate(logits), np.concatenate(labels)
+        nbytes = sum(s.get_value().nbytes for s in served.stacks.values())
+        out[precision] = {
+            "log_loss": log_loss(logits, labels), "auc": auc(logits, labels),
+            "table_bytes": int(nbytes), "float_table_bytes": int(float_bytes),
+        }  # fmt: skip
+    return out
 
 
 # --- checkpoints: tables and row-wise state in id order -------------------------------------
@@ -503,6 +532,8 @@ def main(argv: list[str] | None = None) -> dict:
             manager.wait_until_finished()
         nnx.update((model, optimizer, coll), state)
         tables = export_tables(coll)
+        precisions = [p for p in args.quantized.split(",") if p]
+        quantized = evaluate_quantized(model, coll, precisions, eval_batches, mesh)
     timed = max(len(losses) - 1, 0)
     metrics = {
         "mesh": dict(mesh.shape), "processes": jax.process_count(), "first_step": start + 1,
@@ -512,6 +543,7 @@ def main(argv: list[str] | None = None) -> dict:
         "losses": {str(k): v for k, v in losses.items()},
         "evals": {str(k): v for k, v in evals.items()}, "seconds": seconds,
         "steps_per_second": timed / train_seconds if timed else None,
+        "quantized": quantized,
     }  # fmt: skip
     if evals:
         last = evals[max(evals)]
@@ -522,6 +554,12 @@ def main(argv: list[str] | None = None) -> dict:
             f"{bayes['log_loss']:.4f}), AUC {last['auc']:.4f} (Bayes {bayes['auc']:.4f}, gap "
             f"{bayes['auc'] - last['auc']:.4f})"
         )
+        for precision, q in quantized.items():
+            print(
+                f"  tables {precision}: AUC {q['auc']:.4f} ({last['auc'] - q['auc']:+.5f} lost "
+                f"against float), log loss {q['log_loss']:.4f}; table bytes {q['table_bytes']:,} "
+                f"({q['float_table_bytes'] / q['table_bytes']:.2f}x smaller)"
+            )
     if jax.process_index() == 0:
         if args.metrics_out:
             with open(args.metrics_out, "w") as f:

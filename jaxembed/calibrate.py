@@ -164,7 +164,7 @@ def calibrate(*, repeats: int = 15, save: bool = True, progress=print) -> dict[s
       `{"constants": {...}, "native": {...} or None, "kept_defaults": [...], "link": [(wire
       bytes, s), ...], "memory": [(bytes, s), ...], "sort": [(ids, s), ...], "path": where
       they were saved or None}`; `kept_defaults` names the fits that failed (time not
-      growing with size) and kept the default constant.
+      growing with size, or a latency fitted at or below zero) and kept the default constant.
     """
     from jaxembed.kernels import native
 
@@ -180,8 +180,10 @@ def calibrate(*, repeats: int = 15, save: bool = True, progress=print) -> dict[s
             kept.append(f"{default.backend} {name}")
             return {}
         out = {name: 1.0 / fit[1]}
-        if intercept:
+        if intercept and fit[0] > 0:
             out[intercept] = fit[0]
+        elif intercept:  # noise at the small sizes: a collective costs something; keep it
+            kept.append(f"{default.backend} {intercept}")
         return out
 
     link = _link(mesh, n, repeats, progress)

@@ -39,7 +39,8 @@ def reference(example, tmp_path_factory):
     """6 steps on the (2, 4) mesh, checkpoints at steps 3 and 6: (metrics, tables, dir)."""
     tmp = tmp_path_factory.mktemp("dlrm")
     metrics = example.main([*TINY, "--checkpoint-dir", str(tmp / "ckpt"),
-                            "--checkpoint-every", "3", "--tables-out", str(tmp / "t.npz")])  # fmt: skip
+                            "--checkpoint-every", "3", "--tables-out", str(tmp / "t.npz"),
+                            "--quantized", "int8"])  # fmt: skip
     return metrics, dict(np.load(tmp / "t.npz")), tmp
 
 
@@ -63,6 +64,13 @@ def test_it_learns_and_one_device_computes_the_same(example, reference, tmp_path
     assert metrics["bayes"]["log_loss"] < evals["6"]["log_loss"] < np.log(2)
     first, last = losses(metrics, (1, 2)), losses(metrics, (5, 6))
     assert np.mean(last) < np.mean(first)
+    # The int8 serving copy: (dim 8 + 4 bytes of scale and bias) a row against 4·8, about the
+    # float AUC (a tiny model's, so only loosely).
+    q = metrics["quantized"]["int8"]
+    rows = sum(t.shape[0] for t in tables.values())
+    assert q["float_table_bytes"] >= rows * 8 * 4 and q["table_bytes"] >= rows * 12
+    assert q["float_table_bytes"] / q["table_bytes"] == pytest.approx(32 / 12, rel=0.01)
+    assert abs(q["auc"] - evals["6"]["auc"]) < 0.01
 
     single = example.main([*TINY, "--mesh", "data=1", "--tables-out", str(tmp_path / "t.npz")])
     assert single["placements"] == single["planned"]

@@ -83,7 +83,7 @@ class BenchConfig:
 
 
 QUICK = BenchConfig(
-    vocab=(8192,), hidden=16, ids_shape=(8, 16), dense_regime_ids=(512, 16),
+    vocab=(32768,), hidden=16, ids_shape=(8, 16), dense_regime_ids=(512, 16),
     timing=TimingPolicy(repeats=2, warmup=0, settle=0, min_samples=1, max_seconds=0.5),
     vocab_sweep=(4096, 32768), device_sweep=(1, 8), batch_sweep=(2, 512), quick=True,
 )  # fmt: skip

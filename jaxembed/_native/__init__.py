@@ -2,7 +2,8 @@
 
 `embedding_kernels.cc` (with `common.h`, `ffi_checks.h`, `formulas.h`) holds the shard-local
 kernels as XLA FFI handlers, `remap_kernels.cc` the dynamic table's remap
-(`jaxembed.kernels.remap_native`);
+(`jaxembed.kernels.remap_native`), `quant_kernels.cc` the lookups on row-wise quantized tables
+(`jaxembed.kernels.quant_native`);
 `build` compiles them on first use, keeps a verified cache and registers the FFI targets.
 The Python twins that call them are in `jaxembed.kernels.native`; the plan asks here whether
 they can run (`available`, `supports_dtype`) without importing any kernel.

@@ -73,8 +73,12 @@ TARGETS = {
     # ... and in remap_kernels.cc (the dynamic table's remap)
     "jaxembed_remap_lookup": "JaxembedRemapLookup",
     "jaxembed_remap_step": "JaxembedRemapStep",
+    # ... and in quant_kernels.cc (lookups on row-wise quantized tables)
+    "jaxembed_quant_gather_rows": "JaxembedQuantGatherRows",
+    "jaxembed_quant_pool_sum": "JaxembedQuantPoolSum",
+    "jaxembed_quant_pool_max": "JaxembedQuantPoolMax",
 }
-UNITS = ("embedding_kernels.cc", "remap_kernels.cc")  # compiled together into one library
+UNITS = ("embedding_kernels.cc", "remap_kernels.cc", "quant_kernels.cc")  # one library
 
 _BASE_FLAGS = (
     "-O3",
@@ -146,7 +150,9 @@ def _cache_key(cxx: str, include_dir: str, flags: list[str]) -> str:
     h = hashlib.sha256()
     for src in _sources():
         h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
-    for part in (*flags, include_dir, _compiler_version(cxx), _cpu_signature()):
+    # The units compiled and the targets registered: a library built before a new unit or
+    # target was listed must not be taken for one that has them ("undefined symbol").
+    for part in (*flags, include_dir, _compiler_version(cxx), _cpu_signature(), *UNITS, *TARGETS):
         h.update(part.encode() + b"\0")
     return f"{jaxlib.__version__}-{h.hexdigest()[:16]}"
 

@@ -165,8 +165,9 @@ class DynamicTableConfig:
 
     @property
     def sketch_shape(self) -> tuple[int, int]:
-        """The state's sketch: `(sketch_depth, sketch_width)`, or `(0, 0)` when unused."""
-        return (self.sketch_depth, self.sketch_width) if self.uses_sketch else (0, 0)
+        """The state's sketch: `(sketch_depth, sketch_width)`, or `(1, 1)` when unused (a
+        placeholder never read: orbax cannot save a zero-size array)."""
+        return (self.sketch_depth, self.sketch_width) if self.uses_sketch else (1, 1)
 
 
 class DynamicState(NamedTuple):
@@ -179,7 +180,7 @@ class DynamicState(NamedTuple):
     keys: Any  # uint32[capacity, 2]  the id holding each row (low, high); EMPTY_HALF pairs: free
     last_seen: Any  # int32[capacity]  the step its id was last seen; -1: free
     count: Any  # int32[capacity]  times its id was seen (saturating at 2**31 - 1); 0: free
-    sketch: Any  # int32[depth, width]  count-min counters of ids without a row; [0, 0] if unused
+    sketch: Any  # int32[depth, width]  count-min counters of ids without a row; [1, 1] if unused
     sketch_total: Any  # int32[1]  counts added to the sketch since its last halving
 
 

@@ -18,7 +18,9 @@
 * `jaxembed.kernels.cross_entropy`: the vocab-parallel cross-entropy's bodies;
 * `jaxembed.kernels.remap`, `jaxembed.kernels.remap_native`: a dynamic table's remap (raw
   64-bit id to row, admission, eviction), XLA and its C++ twin;
-* `jaxembed.kernels.quant`: gathers and pooled sums on a row-wise quantized shard (XLA).
+* `jaxembed.kernels.quant`, `jaxembed.kernels.quant_native`: gathers and pooled sums on a
+  row-wise quantized shard (XLA, and its C++ twin that unpacks, dequantizes and pools in one
+  pass); `jaxembed.kernels.tables`: what a lookup takes as its table (float or quantized).
 
 Imports go one way: `select` -> `native`, `local`; `sparse` -> `local`; `native` ->
 `jaxembed._native` only. Nothing here imports `jaxembed.optim` (which imports the kernels):

@@ -497,6 +497,14 @@ _local_bag.defvjp(_local_bag_fwd, _local_bag_bwd)
 _local_bag_jit = jax.jit(_local_bag, static_argnums=(0,))
 
 
+def _quantized_bag(plan: EmbeddingPlan, operands: tuple, table: Any):
+    """A quantized table's one-device lookup: the forward body alone (it has no gradient)."""
+    return _forward_body(plan, *operands, table)[0]
+
+
+_quantized_bag_jit = jax.jit(_quantized_bag, static_argnums=(0,))
+
+
 def _one_device_bag(bags: Bags, batch: ragged.BagBatch, weight, options: LookupOptions):
     """The one-device lookup: the native kernels where they run, else XLA's ops (on `batch`,
     the bags' canonical form)."""
@@ -509,8 +517,11 @@ def _one_device_bag(bags: Bags, batch: ragged.BagBatch, weight, options: LookupO
         padding_idx=options.padding_idx, vocab_size=options.vocab_size, dtype=weight.dtype,
         ids_dtype=bags.ids.dtype, impl=options.impl,
     )  # fmt: skip
-    if plan.impl != "native" or is_quantized(weight):
+    if plan.impl != "native":
         return _dense_bag(batch, options.combiner, weight, plan.vocab_size, options.padding_idx)
+    if is_quantized(weight):  # the native quantized kernels, forward only (no gradient)
+        run = _quantized_bag_jit if eager(bags.operands(), weight) else _quantized_bag
+        return run(plan, bags.operands(), frozen(weight))
     run = _local_bag_jit if eager(bags.operands(), weight) else _local_bag
     return run(plan, bags.operands(), weight)
 

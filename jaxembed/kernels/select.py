@@ -7,7 +7,8 @@ functions to call. `jaxembed.kernels.native` has the same function names and sig
 `kernels_for(plan).gather_rows(...)` either way.
 
 A lookup on a quantized table (`jaxembed.QuantizedTable`) passes the table too:
-`kernels_for(plan, table)` is then `jaxembed.kernels.quant`, whose `gather_rows`, `pool_sum`
+`kernels_for(plan, table)` is then `jaxembed.kernels.quant` (or its native twin
+`jaxembed.kernels.quant_native` when `plan.impl` is native), whose `gather_rows`, `pool_sum`
 and `pool_max` read packed rows with the same arguments (lookups only: a quantized table is
 not trained).
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from jaxembed.kernels import local, native, quant
+from jaxembed.kernels import local, native, quant, quant_native
 from jaxembed.quant import QuantizedTable
 
 __all__ = ["kernels_for", "native_update"]
@@ -27,9 +28,10 @@ def kernels_for(plan: Any, table: Any = None) -> ModuleType:
     """The module whose `gather_rows`, `pool_sum`, `pool_max`, `scatter_add` and `bucket_ids`
     the plan runs: `jaxembed.kernels.local` (XLA), or `jaxembed.kernels.native` (its C++
     twins) when `plan.impl` says so; for a quantized `table`, `jaxembed.kernels.quant`."""
+    impl = getattr(plan, "impl", "xla")
     if isinstance(table, QuantizedTable):
-        return quant
-    return native if getattr(plan, "impl", "xla") == "native" else local
+        return quant_native if impl == "native" else quant
+    return native if impl == "native" else local
 
 
 def native_update(plan: Any) -> bool:

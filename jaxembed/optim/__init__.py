@@ -47,6 +47,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxembed.optim import dynamic as dynamic
+from jaxembed.optim import dynamic_io as dynamic_io
 from jaxembed.optim import formulas
 from jaxembed.optim.sparse import RowSparseOptimizer as RowSparseOptimizer
 from jaxembed.optim.sparse import RowSparseState as RowSparseState
@@ -59,6 +60,7 @@ __all__ = [
     "adam",
     "after",
     "dynamic",
+    "dynamic_io",
     "fbgemm_adagrad",
     "ftrl",
     "partial_rowwise_adam",

@@ -142,14 +142,16 @@ def choose_exchange(
                 "dense exchange: sum the partial gradient shards",
             )
         ]  # fmt: skip
-        # The dense exchange zero-fills, reduces and reads a whole gradient shard.
+        # Both exchanges zero-fill a gradient shard and scatter into it (the backward's result
+        # is the shard; an update, which builds none, has no dense candidate); the dense one
+        # adds the psum, whose reads and writes are its wire bytes.
         options["dense"] = (
             candidate(
                 "dense",
                 dense,
                 slots,
                 slots,
-                2 * shard_rows,
+                0,
                 "psum of the gradient shard over the batch axes",
             ),
             dense,
