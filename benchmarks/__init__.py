@@ -43,6 +43,7 @@ SUBCOMMANDS = {
     "recsys-processes": "benchmarks.recsys.processes",
     "serving": "benchmarks.serving.latency",
     "dynamic-auc": "benchmarks.dynamic.auc",
+    "dynamic-throughput": "benchmarks.dynamic.throughput",
     "quant-fbgemm": "benchmarks.quant.fbgemm",
 }
 """`python -m benchmarks NAME ...` runs `main` of this module; no NAME runs `layouts`."""

@@ -282,7 +282,7 @@ def test_hostile_calls_name_the_value():
     ):
         remap.step(cfg, other, ids, 0)
     with pytest.raises(
-        ValueError, match=r"state.sketch is int32\[0, 0\], but .* needs int32\[4, 32\]"
+        ValueError, match=r"state.sketch is int32\[1, 1\], but .* needs int32\[4, 32\]"
     ):
         remap.lookup(DynamicTableConfig(capacity=32, bucket_size=8, admit_after=2), state, ids)
     with pytest.raises(TypeError, match=r"config must be a .*DynamicTableConfig, got dict"):

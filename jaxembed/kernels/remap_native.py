@@ -4,7 +4,10 @@ Same signatures, same checks and the same results, bitwise, as `jaxembed.kernels
 (XLA), whose decisions `jaxembed.dynamic.reference` states one id at a time. The C++ is
 `jaxembed/_native/remap_kernels.cc`, compiled with the other native kernels into one library on
 first use (`jaxembed._native.build`): where XLA sorts every id twice, it hashes the batch's ids
-into an open-addressing table (O(M)) and sorts only the candidates for a row.
+into an open-addressing table (O(M)), radix-sorts the distinct ids by bucket, and decides each
+bucket (lookups, touches, admissions, evictions) in one pass over the buckets in ascending
+order, split over the threads in runs of whole buckets (the results do not depend on the
+split). `python -m benchmarks.dynamic.throughput` measures it against XLA.
 
     native              XLA twin
     lookup              remap.lookup

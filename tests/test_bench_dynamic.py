@@ -1,0 +1,21 @@
+"""`jaxembed bench dynamic-throughput --quick`: the remap benchmark's record (structure and
+agreement, never timings): every policy runs, and the XLA steps make the native steps'
+decisions, bit for bit."""
+
+import json
+
+from benchmarks.dynamic import throughput
+from jaxembed.kernels import remap_native
+
+
+def test_quick_throughput_record(tmp_path):
+    path = tmp_path / "t.json"
+    assert throughput.main(["--quick", "--json", str(path)]) == 0
+    cases = json.loads(path.read_text())["cases"]
+    impls = {"native", "xla"} if remap_native.available() else {"xla"}
+    assert {(c["policy"], c["impl"]) for c in cases} == {
+        (p, i) for p in ("lru", "lfu", "ttl") for i in impls
+    }
+    for c in cases:
+        assert c["matches_native"] is not False, c["name"]
+        assert c["ids_per_s_median"] > 0 and c["admitted"] > 0, c["name"]
