@@ -107,7 +107,7 @@ class RoutedConfig:
 
 QUICK = RoutedConfig(
     vocab=8192, hidden=16, ids_shape=(8, 16), zipf_sweep=(0.0, 1.1), fallback_batches=2,
-    batch_sweep=(2, 512), batch_vocab=8192, batch_hidden=16, batch_seq=16,
+    batch_sweep=(2, 512), batch_vocab=32768, batch_hidden=16, batch_seq=16,
     bucketing_slots=(1024,), timing=harness.QUICK_TIMING, quick=True,
 )  # fmt: skip
 """Tiny shapes: every code path in seconds; timings mean nothing."""
