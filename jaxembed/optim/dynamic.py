@@ -85,7 +85,7 @@ from jaxembed.optim.row_reset import (
 )
 from jaxembed.optim.sparse import RowSparseOptimizer
 
-__all__ = ["IMPLS", "DynamicTable", "init_table", "prepare", "rows_for"]
+__all__ = ["IMPLS", "DynamicTable", "check_dynamic_table", "init_table", "prepare", "rows_for"]
 
 IMPLS = ("auto", "xla", "native")
 
@@ -136,12 +136,13 @@ def _check_split(config: DynamicTableConfig, hidden: int, mesh: Any, spec: P) ->
             )
 
 
-def _check_dyn(config: DynamicTableConfig, dyn: Any) -> None:
+def check_dynamic_table(config: DynamicTableConfig, dyn: Any) -> None:
     """Raises unless `dyn` is a `DynamicTable` whose state and table fit `config`."""
     if not isinstance(dyn, DynamicTable):
         raise TypeError(
             f"dyn_table must be a DynamicTable (table, state), got {type(dyn).__name__}: "
-            "make it with jaxembed.optim.dynamic.init_table(config, hidden)"
+            "make it with jaxembed.optim.dynamic.init_table(config, hidden), or pass the table "
+            "prepare (or jaxembed.optim.dynamic_io.restore_rows) returned"
         )
     remap.check_state(config, dyn.state)
     check_table(dyn.table)
@@ -149,8 +150,8 @@ def _check_dyn(config: DynamicTableConfig, dyn: Any) -> None:
         h = dyn.table.shape[1]
         raise ValueError(
             f"dyn_table.table has {dyn.table.shape[0]} rows, but config.capacity="
-            f"{config.capacity}: a dynamic table has one row per slot; make it with "
-            f"init_table(config, {h})"
+            f"{config.capacity}: a dynamic table has one row per slot; pass the config the table "
+            f"was made with, or make it with init_table(config, {h})"
         )
 
 
@@ -354,7 +355,7 @@ def prepare(
       ([0, 0, 8], 1, 1)
     """
     engine = _check_impl(impl)
-    _check_dyn(config, dyn_table)
+    check_dynamic_table(config, dyn_table)
     table = dyn_table.table
     hidden = table.shape[1]
     keys = as_keys(ids, check=check_ids)

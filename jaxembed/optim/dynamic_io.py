@@ -65,9 +65,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxembed.dynamic.config import INT32_MAX, DynamicTableConfig
 from jaxembed.dynamic.keys import bucket_of, is_reserved, keys_to_host, to_uint64
-from jaxembed.kernels import remap
-from jaxembed.kernels.common import check_table
-from jaxembed.optim.dynamic import DynamicTable, init_table
+from jaxembed.optim.dynamic import DynamicTable, check_dynamic_table, init_table
 from jaxembed.optim.row_reset import reset_rows
 from jaxembed.optim.sparse import RowSparseOptimizer
 
@@ -218,21 +216,6 @@ def _take_rows(a: Any, rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def _check_dyn(config: Any, dyn: Any) -> None:
-    if not isinstance(dyn, DynamicTable):
-        raise TypeError(
-            f"dyn_table must be a DynamicTable (table, state), got {type(dyn).__name__}: pass "
-            "the table prepare returns (or restore_rows(...).dyn_table)"
-        )
-    remap.check_state(config, dyn.state)
-    check_table(dyn.table)
-    if dyn.table.shape[0] != config.capacity:
-        raise ValueError(
-            f"dyn_table.table has {dyn.table.shape[0]} rows, but config.capacity="
-            f"{config.capacity}: pass the config the table was made with"
-        )
-
-
 def export_rows(
     config: DynamicTableConfig, dyn_table: DynamicTable, opt_state: Any = None
 ) -> RowExport:
@@ -253,7 +236,7 @@ def export_rows(
       TypeError, ValueError: a `dyn_table` that is no `DynamicTable` or does not fit
         `config`; an optimizer state leaf of another table's rows (naming its path).
     """
-    _check_dyn(config, dyn_table)
+    check_dynamic_table(config, dyn_table)
     state = dyn_table.state
     keys = _host(state.keys)
     rows = np.flatnonzero(~is_reserved(keys))  # int64[N] ascending: the export's order
