@@ -42,8 +42,10 @@ SUBCOMMANDS = {
     "recsys-floor": "benchmarks.recsys.floor",
     "recsys-processes": "benchmarks.recsys.processes",
     "serving": "benchmarks.serving.latency",
+    "serving-torchrec": "benchmarks.serving.torchrec_qebc",
     "dynamic-auc": "benchmarks.dynamic.auc",
     "dynamic-throughput": "benchmarks.dynamic.throughput",
+    "dynamic-dlrm": "benchmarks.dynamic.dlrm_step",
     "quant-fbgemm": "benchmarks.quant.fbgemm",
 }
 """`python -m benchmarks NAME ...` runs `main` of this module; no NAME runs `layouts`."""

@@ -17,7 +17,11 @@ devices share the cores, and the model is per device):
   rows of 128 floats (a 2^15-row shard per device); the line through (bytes touched,
   seconds) gives the random-row bandwidth;
 * **sort**: sorting 2^12 to 2^16 random ids per device; the line through (ids, seconds)
-  gives the sort rate.
+  gives the sort rate;
+* **slots**: a native pool of 2^14 to 2^18 slots per device whose rows the shard does not
+  hold (bags of 20): the line through (slots, seconds) gives `slot_s`, what each slot a
+  kernel walks costs without its row (XLA's kernels get the same: what they pay beyond it is
+  their rows term).
 
 With jaxembed's native kernels built (`jaxembed.kernels.native.available()`), the memory and
 sort benchmarks run again through them (`gather_rows` + `apply_rows` in place, less its
@@ -129,6 +133,32 @@ def _rows(mesh, n, body: Callable, repeats: int, progress, label: str):
     return points
 
 
+_BAG = 20  # slots a bag in the slot benchmark
+
+
+def _native_slots(t, i):
+    """A native pool of `M` slots none of whose rows the shard holds (masked): what the
+    gather path's kernels pay for each slot of another shard's rows (`slot_s`)."""
+    from jaxembed.kernels import native
+
+    m = i.shape[0]
+    segments = jnp.arange(m, dtype=jnp.int32) // _BAG
+    return native.pool_sum(t, i, i < 0, segments, jnp.ones((m,), jnp.float32), m // _BAG)
+
+
+def _slots(mesh, n, body: Callable, repeats: int, progress, label: str):
+    points = []
+    for m in (1 << 14, 1 << 15, 1 << 16, 1 << 17, 1 << 18):
+        table = jax.device_put(jnp.ones((n * 8, _HIDDEN), jnp.float32), NamedSharding(mesh, P("x")))
+        ids = np.random.default_rng(2).integers(0, 8, size=(n * m,)).astype(np.int32)
+        ids = jax.device_put(ids, NamedSharding(mesh, P("x")))
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x")))
+        seconds = _median_seconds(f, table, ids, repeats=repeats)
+        points.append((m, seconds))  # with the bags' output rows: a bag is written once
+        progress(f"  {label} masked slots {m:>7} per device: {seconds * 1e3:8.3f} ms")
+    return points
+
+
 def _xla_sort(i):
     return jnp.sort(i)
 
@@ -201,15 +231,24 @@ def calibrate(*, repeats: int = 15, save: bool = True, progress=print) -> dict[s
     if backend == "cpu" and native.available():
         native_sort = _sort(mesh, n, _native_sort, repeats, progress, "native")
         native_memory = _rows(mesh, n, _native_rows, repeats, progress, "native")
+        native_slots = _slots(mesh, n, _native_slots, repeats, progress, "native")
         default = cost.BACKENDS["cpu-native"]
         sorting = fitted(default, "sort_ids_per_s", native_sort)
         rate = sorting.get("sort_ids_per_s", default.sort_ids_per_s)
         rows_only = [(b, s - b / (2 * _HIDDEN * 4) / rate) for b, s in native_memory]
+        walked = _fit(native_slots)  # seconds = a + slot_s · slots
+        slot = {"slot_s": walked[1]} if walked else {}
+        if not walked:
+            kept.append("cpu-native slot_s")
         native_constants = dataclasses.replace(
-            default, source=source, **shared, **sorting,
+            default, source=source, **shared, **sorting, **slot,
             **fitted(default, "memory_bytes_per_s", rows_only),
         )  # fmt: skip
-        result.update(native_memory=native_memory, native_sort=native_sort)
+        # XLA's kernels walk the same slots; what they pay beyond a native walk is their
+        # rows term (a masked gather and segment sum cost about a row read each).
+        constants = dataclasses.replace(constants, **slot)
+        result.update(native_memory=native_memory, native_sort=native_sort,
+                      native_slots=native_slots)  # fmt: skip
         result["native"] = _public(native_constants)
 
     path = None
@@ -228,6 +267,7 @@ def _public(c: cost.CostConstants) -> dict[str, float]:
         "memory_bytes_per_s": c.memory_bytes_per_s,
         "latency_s": c.latency_s,
         "sort_ids_per_s": c.sort_ids_per_s,
+        "slot_s": c.slot_s,
     }
 
 
@@ -243,6 +283,7 @@ def run(*, save: bool = True, repeats: int | None = None) -> int:
         print(f"memory bandwidth {c['memory_bytes_per_s'] / 1e9:10.3f} GB/s of table rows")
         print(f"sort rate        {c['sort_ids_per_s'] / 1e6:10.2f} M ids/s")
         print(f"latency          {c['latency_s'] * 1e6:10.1f} us per collective")
+        print(f"slot walked      {c['slot_s'] * 1e9:10.1f} ns")
     for what in result["kept_defaults"]:
         print(f"warning: {what}: time did not grow with size (a busy machine?); kept the default",
               file=sys.stderr)  # fmt: skip

@@ -140,6 +140,17 @@ def _add_plan_parser(sub) -> None:
     coll.add_argument("--batch", type=int, default=None, help="global batch size, e.g. 4096")
     coll.add_argument("--memory", default=None, help="budget per device, e.g. 2GiB")
     coll.add_argument("--batch-axes", default=None, help="mesh axes of the batch (default all)")
+    coll.add_argument(
+        "--serving",
+        action="store_true",
+        help="plan the lookups alone (no update, no optimizer state)",
+    )
+    coll.add_argument(
+        "--precision",
+        default=None,
+        help="tables served quantized (implies --serving): int8, int4, int2 "
+        "or fp8 for all, or per table, e.g. item=int4,user=int8",
+    )
     coll.add_argument("--backend", choices=("cpu", "gpu", "tpu"), default=None,
                       help="cost constants (default: this machine's)")  # fmt: skip
     p.add_argument("--ids-spec", default=None, help="e.g. data (default: replicated)")
@@ -349,6 +360,22 @@ def load_tables_json(path: str | Path) -> tuple[list[TableConfig], list[FeatureC
     return tables, features
 
 
+def _parse_precision(text: str | None) -> str | dict[str, str] | None:
+    """`--precision`: `"int4"` (every table) or `"item=int4,user=int8"` (those tables)."""
+    if not text or "=" not in text:
+        return text or None
+    out = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise ValueError(
+                f"--precision {text!r}: use one precision (int4) or table=precision pairs "
+                f"separated by commas (item=int4,user=int8); {part!r} is neither"
+            )
+        out[name.strip()] = value.strip()
+    return out
+
+
 def _run_plan_tables(args: argparse.Namespace) -> int:
     """`jaxembed plan --tables ...`: plans the collection and prints it (exit code 0, or 2
     with the error on stderr)."""
@@ -364,9 +391,11 @@ def _run_plan_tables(args: argparse.Namespace) -> int:
     try:
         tables, features = load_tables_json(args.tables)
         batch_axes = [a for a in args.batch_axes.split(",") if a] if args.batch_axes else None
+        precision = _parse_precision(args.precision)
         plan = plan_collection(
             tables, features, mesh, batch_size=args.batch, memory_per_device=args.memory,
             batch_axes=batch_axes, backend=args.backend,
+            serving=True if args.serving or precision else None, precision=precision,
         )  # fmt: skip
     except (TypeError, ValueError) as e:
         print(f"jaxembed plan: error: {e}", file=sys.stderr)

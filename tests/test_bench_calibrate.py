@@ -25,7 +25,13 @@ def test_calibrate(tmp_path, monkeypatch, capsys):
         saved = json.loads(path.read_text())
         assert set(saved) == ({"cpu", "cpu-native"} if native.available() else {"cpu"})
         for entry in saved.values():
-            for key in ("link_bytes_per_s", "memory_bytes_per_s", "latency_s", "sort_ids_per_s"):
+            for key in (
+                "link_bytes_per_s",
+                "memory_bytes_per_s",
+                "latency_s",
+                "sort_ids_per_s",
+                "slot_s",
+            ):
                 assert entry[key] > 0, key
         assert cost.load_constants("cpu").source.startswith("jaxembed bench --calibrate")
         other = tmp_path / "other.json"
@@ -35,6 +41,24 @@ def test_calibrate(tmp_path, monkeypatch, capsys):
     finally:
         monkeypatch.undo()
         cost.load_constants.cache_clear()  # later plans use the defaults again
+
+
+def test_a_calibration_from_before_a_constant_keeps_its_default(tmp_path, monkeypatch):
+    """A file written before `slot_s` existed: its constants are read, `slot_s` is the
+    default's, not zero (which would price the gather path's walk of every slot as free)."""
+    path = tmp_path / "old.json"
+    old = {"backend": "cpu-native", "link_bytes_per_s": 2e9, "memory_bytes_per_s": 4e9,
+           "latency_s": 1e-4, "sort_ids_per_s": 1e7, "source": "an older calibration"}  # fmt: skip
+    path.write_text(json.dumps({"cpu-native": old}))
+    monkeypatch.setenv("JAXEMBED_COST_FILE", str(path))
+    cost.load_constants.cache_clear()
+    try:
+        got = cost.load_constants("cpu", "native")
+        assert (got.link_bytes_per_s, got.source) == (2e9, "an older calibration")
+        assert got.slot_s == cost.BACKENDS["cpu-native"].slot_s > 0
+    finally:
+        monkeypatch.undo()
+        cost.load_constants.cache_clear()
 
 
 def test_bad_flags(capsys):

@@ -52,7 +52,7 @@ def test_record_round_trips_and_covers_every_variant(run):
 def test_gather_walks_every_slot_and_routed_shrinks(run):
     record, _ = run
     for kind in ("1d", "2d"):
-        for placements in ("rows", "auto"):
+        for placements in ("rows",):
             gather = sorted(_rows(record, mesh_kind=kind, placements=placements,
                                   exchange="gather"), key=lambda r: r["devices"])  # fmt: skip
             routed = sorted(_rows(record, mesh_kind=kind, placements=placements,
@@ -75,6 +75,25 @@ def test_gather_walks_every_slot_and_routed_shrinks(run):
                 assert r["capacity"] == [math.ceil(mu + 4 * math.sqrt(mu) + 1)]
             bytes_ = [r["forward_wire_bytes"] + r["update_wire_bytes"] for r in routed]
             assert bytes_[-1] < bytes_[0]
+
+
+def test_the_planners_table_wise_calls_walk_their_owners_slots(run):
+    """With `placements="auto"` the planner may place tables whole on one device: those
+    calls are table-wise whatever exchange the row is for, each owner walking its tables'
+    slots `B · F_o · L`, fewer than the batch's; the rest follow the exchange."""
+    record, _ = run
+    tablewise = 0
+    for r in _rows(record, placements="auto"):
+        g = r["global_slots"]
+        for call in r["calls"]:
+            if call["exchange"] == "table":
+                tablewise += 1
+                assert 0 < call["forward_slots"] == call["update_slots"] < call["global_slots"]
+            else:
+                want = {"gather": ("none", "rows"), "routed": ("routed",)}[r["exchange"]]
+                assert call["exchange"] in want or not call["applies"]
+        assert r["slots_per_device"] <= g
+    assert tablewise > 0
 
 
 def test_bytes_are_the_plans_own():

@@ -50,6 +50,8 @@ def make_buckets(seed, m, n, *, owners="random", ids="pool"):
             rng.random(m) < 0.3, rng.choice([0, 1, BIG - 1, BIG], m), rng.integers(0, BIG, m)
         ),
         "any": lambda: rng.integers(-BIG - 1, BIG, m, endpoint=True),
+        "slots": lambda: np.arange(m),  # the owner-pooled exchange's: each slot its index
+        "rising": lambda: np.cumsum(rng.integers(0, 3, m)),  # sorted, with a few repeats
     }[ids]().astype(np.int32)
     if ids != "any":
         key = np.where(dest == n, 0, key).astype(np.int32)
@@ -81,13 +83,13 @@ def np_bucket_ids(dest, key, n, c):
 # --- the kernel alone ------------------------------------------------------------------------
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     m=st.sampled_from([0, 1, 2, 7, 64, 257]),
     n=st.sampled_from([1, 2, 3, 8]),
     c=st.sampled_from([1, 2, 5, 64]),
     owners=st.sampled_from(["random", "one", "none", "sparse"]),
-    ids=st.sampled_from(["pool", "wide", "any"]),
+    ids=st.sampled_from(["pool", "wide", "any", "slots", "rising"]),
     seed=st.integers(0, 2**16),
 )
 def test_native_equals_xla_bitwise(m, n, c, owners, ids, seed):

@@ -202,6 +202,30 @@ def test_forced_rows_exchange_runs_the_gather_path_with_equal_results():
         np.testing.assert_allclose(a[f.name], b[f.name], rtol=1e-6, atol=1e-6)
 
 
+def _kinds(layout, stacks, batch, mesh, exchange):
+    with jax.set_mesh(mesh):
+        f = jax.jit(lambda st: collection_lookup(layout, st, batch, exchange=exchange))
+        return {c.kind for c in hlo.collectives(f.lower(stacks).compile().as_text())}, f(stacks)
+
+
+def test_a_plans_table_plus_routed_routes_the_rest_and_auto_gathers_block_rows():
+    """`"table+routed"` (a `CollectionPlan`'s exchange for a stack with a table-wise call and
+    a routed one): the table-wise call as before, the row-split table's call routed (its
+    overflow flag's all-reduce); under `"auto"` that block-rows table's call gathers (a
+    frequency-ranked vocabulary's hot ids would overflow its owner's bucket). Values equal
+    either way, and the float64 reference."""
+    mesh, layout, features, host, stacks, batch, ref_in = _setup()
+    assert layout.placement("big").row_sharding == "block"
+    routed, a = _kinds(layout, stacks, batch, mesh, {0: "table+routed"})
+    gathered, b = _kinds(layout, stacks, batch, mesh, "auto")
+    assert "all-reduce" in routed and "all-to-all" in routed  # the overflow flag, the slots
+    assert "all-reduce" not in gathered and "all-gather" in gathered
+    want, _ = _reference(features, host, ref_in, {f.name: np.zeros((B, H)) for f in features})
+    for f in features:
+        np.testing.assert_allclose(a[f.name], want[f.name], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(b[f.name], want[f.name], rtol=1e-5, atol=1e-5)
+
+
 def test_tables_go_to_the_shard_with_the_fewest_slots():
     mesh = jax.sharding.AbstractMesh((4,), ("x",))
     tables = [TableConfig(f"t{i}", 1000 - i, 8, placement="table") for i in range(6)]

@@ -136,6 +136,19 @@ def _gather_name(names: Sequence[str]) -> str:
     return "none" if "none" in names else "rows"
 
 
+def _tablewise_figures(c: Any) -> dict[str, Any]:
+    """A table-wise call's figures (`jaxembed.kernels.tablewise`): its ids to the owner and
+    the pooled rows back, the busiest owner walking `batch · F_o · L` slots each way."""
+    return {
+        "stack": c.stack_name, "x_shape": list(c.x_shape), "exchange": "table",
+        "applies": False, "global_slots": math.prod(c.x_shape),
+        "forward_wire_bytes": c.forward_bytes, "update_wire_bytes": c.update_bytes,
+        "out_move_bytes": list(c.out_move_bytes), "forward_slots": c.owner_slots,
+        "update_slots": c.owner_slots, "modelled_in_ms": c.modelled_ms, "overflow": False,
+        "routed": None, "host_wire_bytes": None,
+    }  # fmt: skip
+
+
 def exchange_figures(plan: Any, mesh: Any, exchange: str) -> dict[str, Any]:
     """Per device, what `plan`'s step costs with `exchange` in every call it applies to.
 
@@ -150,6 +163,9 @@ def exchange_figures(plan: Any, mesh: Any, exchange: str) -> dict[str, Any]:
     """
     calls, rest = [], plan.step_ms - sum(c.modelled_ms for c in plan.calls)
     for c in plan.calls:
+        if c.exchange == "table":  # table-wise: its own exchange, whatever is asked
+            calls.append(_tablewise_figures(c))
+            continue
         cands = {k.name: k for k in c.plan.candidates}
         name = _gather_name(list(cands)) if exchange == "gather" else exchange
         applies = name in cands

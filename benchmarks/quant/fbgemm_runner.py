@@ -8,7 +8,10 @@
 FBGEMM 1.8's CPU forward (`int_nbit_split_embedding_codegen_forward_*_cpu`) pools the tables
 one after the other on the calling thread with its JIT-generated `EmbeddingSpMDM` kernels
 (`prefetch=16`); `torch.set_num_threads` is set to the benchmark's thread count all the same,
-so that torch's own work (the output's allocation and zero fill) runs as it would.
+so that torch's own work (the output's allocation and zero fill) runs as it would. fp8 rows
+take `GenerateEmbeddingSpMDMFP8WithStrides` instead, for which FBGEMM generates no JIT kernel
+(a compiled loop; about 10x int8's time a row in `results/quant/fbgemm.md`). The TBE takes
+fp8's format as `fp8_exponent_bits` and `fp8_exponent_bias` (default 4 and 7, jaxembed's).
 
 Importing this module does not import torch: `require()` does, after setting
 `OMP_WAIT_POLICY=PASSIVE` (idle OpenMP threads that spin take the cores of a shared machine).

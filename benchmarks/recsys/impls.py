@@ -10,7 +10,10 @@ devices: the bags split over it, every table's rows split over it.
 | `jaxembed` | `collection_lookup`, `impl="auto"` (native) | `collection_update`, row-wise Adagrad |
 | `jaxembed[xla]` | the same, `impl="xla"` | the same, `impl="xla"` |
 | `jaxembed[rows]` | the same, `exchange="rows"` | the same, `exchange="rows"` |
+| `jaxembed[mod]` | `jaxembed` with mod rows (`row_sharding="mod"`, each table rotated) | the same |
 | `jaxembed[routed]` | the same, `exchange="routed"` (each id to its owner) | the same |
+| `jaxembed[routed,mod]` | `jaxembed[routed]` with mod rows | the same |
+| `jaxembed[table]`, `[columns]` | every table `"table"` (table-wise), or `"columns"` | the same |
 | `jaxembed[auto]` | placements, exchanges: `plan_collection` (384 MiB, `id_stats`) | the same |
 | `xla` | `jnp.take` + sum over the bag (XLA partitions it) | `optax.adagrad` (dense) |
 | `flax` | one `nnx.Embed` per table + sum | `nnx.Optimizer(optax.adagrad)` |
@@ -48,7 +51,11 @@ VARIANTS = (
     "jaxembed",
     "jaxembed[xla]",
     "jaxembed[rows]",
+    "jaxembed[mod]",
     "jaxembed[routed]",
+    "jaxembed[routed,mod]",
+    "jaxembed[table]",
+    "jaxembed[columns]",
     "jaxembed[auto]",
     "xla",
     "flax",
@@ -177,8 +184,11 @@ def _jaxembed(workload: W.Workload, n: int, lr: float, eps: float, *, impl: str,
     from jaxembed.collection import FeatureConfig, TableConfig, layout_collection
 
     mesh = _mesh(n, AxisType.Explicit, devices)
-    placement = "auto" if name == "jaxembed[auto]" else "rows"
-    tables = [TableConfig(t.name, t.rows, t.dim, placement=placement) for t in workload.tables]
+    placement = {"jaxembed[auto]": "auto", "jaxembed[table]": "table",
+                 "jaxembed[columns]": "columns"}.get(name, "rows")  # fmt: skip
+    rows_by = "mod" if name.endswith("mod]") else "block"  # mod: a Zipf's hot rows spread
+    tables = [TableConfig(t.name, t.rows, t.dim, placement=placement, row_sharding=rows_by)
+              for t in workload.tables]  # fmt: skip
     features = [FeatureConfig(f.name, f.table, max_ids=f.max_ids) for f in workload.features]
     placements = None
     if placement == "auto" and n > 1:  # one device: nothing to place
@@ -264,6 +274,7 @@ def _plan_info(layout, workload: W.Workload, mesh, exchange: Any, impl: str) -> 
     collection runs it (`[B, F, L]` stacked, or `[B, ΣL]` with lengths)."""
     import jaxembed
     from jaxembed.collection.layout import stacked_width
+    from jaxembed.kernels.collection import stack_exchange
 
     out = {}
     for s in layout.stacks:
@@ -275,7 +286,7 @@ def _plan_info(layout, workload: W.Workload, mesh, exchange: Any, impl: str) -> 
             plans = [jaxembed.plan_embedding_bag(
                 mesh.abstract_mesh, shape, s.shape, num_bags=bags,
                 lengths_spec=P() if bags else None, x_spec=P("data", None), weight_spec=s.spec,
-                exchange=exchange if isinstance(exchange, str) else exchange.get(s.index, "auto"),
+                exchange=stack_exchange(exchange, layout, s.index),
                 impl=impl,
                 update=update, optimizer_slots=(False,) if update else (),
             ) for update in (False, True)]  # fmt: skip
@@ -470,7 +481,8 @@ def build_variant(
     if name == "flax":
         return _flax(workload, num_devices, lr, eps)
     impl = "xla" if name == "jaxembed[xla]" else "auto"
-    exchange = {"jaxembed[rows]": "rows", "jaxembed[routed]": "routed"}.get(name, "auto")
+    exchange = {"jaxembed[rows]": "rows", "jaxembed[routed]": "routed",
+                "jaxembed[routed,mod]": "routed"}.get(name, "auto")  # fmt: skip
     return _jaxembed(
         workload, num_devices, lr, eps, impl=impl, exchange=exchange, name=name, devices=devices
     )

@@ -557,6 +557,9 @@ ffi::Error DedupRowsImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> val
 //      LSD radix over their span (digits of at most 11 bits), std::sort when there are few;
 //   4. each slot's pos is its id's rank; send[b] the first C sorted ids (-1 after), for b < n.
 //
+// A bucket whose ids increase with the slot (every id distinct, already in order: the keys of
+// the owner-pooled exchange, each slot's own index) skips 2 and 3: each slot's rank is its place.
+//
 // O(M + D·p) with D the distinct (bucket, id) pairs and p = ceil(span bits / 11) <= 3 passes.
 // Bucket n is ranked like the others (pos as XLA gives it) but never sent nor counted for the
 // overflow. Each bucket is written by one thread: the result does not depend on the threads.
@@ -603,6 +606,19 @@ inline void SortDistinct(uint64_t* a, uint64_t* b, int64_t d, int bits, std::vec
 // slots and, when send_row is given, its first C distinct ids; returns its distinct ids.
 int64_t BucketOne(const int32_t* order, int64_t count, const int32_t* key, int32_t* pos,
                   int32_t* send_row, int64_t C, BucketWork& w) {
+  // Ids that increase with the slot (the owner-pooled exchange keys each slot by its index):
+  // each is distinct and its rank is its place, so no hash and no sort.
+  bool increasing = true;
+  for (int64_t j = 1; j < count && increasing; ++j) increasing = key[order[j]] > key[order[j - 1]];
+  if (increasing) {
+    for (int64_t j = 0; j < count; ++j) pos[order[j]] = static_cast<int32_t>(j);
+    if (send_row) {
+      const int64_t sent = std::min(count, C);
+      for (int64_t r = 0; r < sent; ++r) send_row[r] = key[order[r]];
+      for (int64_t r = sent; r < C; ++r) send_row[r] = -1;
+    }
+    return count;
+  }
   int log2 = 4;
   while ((int64_t{1} << log2) < 2 * count) ++log2;
   const uint64_t size = uint64_t{1} << log2, mask = size - 1;

@@ -6,34 +6,46 @@
 // last_seen / count i32[C], sketch i32[D, W] ([0, 0] without admission counting),
 // sketch_total i32[1]; C = num_buckets · S, bucket b holding rows [b·S, (b+1)·S).
 //
-// A step, where XLA sorts every id twice:
-// 1. the batch's distinct ids, on the calling thread, from an open-addressing table of their
-//    numbers keyed by the 64-bit id (O(M), 4 bytes a place, at most half full: about the L2);
-//    only a new id's bucket is hashed, its `% num_buckets` a multiply (FastMod);
-// 2. the distinct ids sorted by bucket: a stable LSD radix sort of (bucket, number) pairs;
-// 3. one pass over the buckets in ascending order, in runs of whole buckets, one a thread of a
-//    `Team`: each bucket's keys, last_seen and count are prefetched 8 buckets ahead, its ids
-//    found (AVX-512: 8 keys a compare), its hits touched, and its candidates ranked (estimate
-//    descending, id) and given its free slots, then its victims, ordered exactly as
-//    remap._pick orders them but only as far as needed, while its lines are in the cache.
-//    With admission counting the misses' sketch adds (atomic) come first and a second pass
-//    decides, once every estimate is final;
-// 4. the results, laid out in the order XLA gives them.
-// A bucket's decision reads and writes only its own rows, so the split over threads changes
-// nothing: the results are the same bits for any thread count. The idea of prefetching the
-// rows a few items ahead is FBGEMM's EmbeddingSpMDM (`prefetch=16`), applied here to the
-// identity array and the metadata; the ascending bucket order is what lets it pay on a VM's
-// 4 KiB pages (three of them a bucket: keys, last_seen, count).
+// A step, where XLA sorts every id twice. The buckets are split into P runs ("parts", four a
+// thread) and the slots into P chunks; each of the phases below is P items that the threads of
+// a `Team` claim one at a time (ForEach: a thread the machine preempts leaves its share to the
+// others), and no item reads what another writes in the same phase:
+// 1. each chunk's buckets (AVX-512: Murmur and FastMod 16 ids at a time) and its slots copied,
+//    as (id, bucket) pairs, into one list per part that owns them;
+// 2. each part, alone: its slots grouped into distinct ids (an open-addressing table keyed by
+//    the 64-bit id, a few thousand places: in the L1/L2), the distinct ids radix-sorted by
+//    bucket and laid out in that order (id, bucket, multiplicity: read in sequence), then one
+//    pass over its buckets in ascending order: each bucket's keys, last_seen and count are
+//    prefetched 8 buckets ahead, its ids found (AVX-512: 8 keys a compare), its hits touched,
+//    and its candidates ranked (estimate descending, id) and given its free slots, then its
+//    victims, ordered exactly as remap._pick orders them but only as far as needed (the least
+//    one, the usual case, by masked AVX-512 minima over the bucket's 32 slots), while its
+//    lines are in the cache. With admission counting the misses' sketch adds (atomic when
+//    threads share the sketch, each add a few ids after its cells were prefetched) come first
+//    and a second pass decides, once every estimate is final;
+// 3. each chunk's results, laid out in the order XLA gives them (a slot's row read back from
+//    its part's rows, in slot order; the rows the parts assigned, in part order).
+// A bucket's decision reads and writes only its own rows and a part only its own buckets, so
+// neither the split nor the thread that runs a part changes anything: the results are the same
+// bits for any thread count. The idea of prefetching the rows a few items ahead is FBGEMM's
+// EmbeddingSpMDM (`prefetch=16`), applied here to the identity array and the metadata; the
+// ascending bucket order is what lets it pay on a VM's 4 KiB pages (three of them a bucket:
+// keys, last_seen, count).
 //
 // Measured on 2 shared cores (benchmarks/dynamic/throughput.py: 2^26 slots at load factor 0.9,
-// batches of 65536 Zipf ids, ~32k of them distinct): the pass over the buckets is bound by
-// memory latency, about 8 cache lines from 3 pages of the 1 GiB state a distinct id, some
-// 250-300 ns a distinct id a core (1.4x less CPU time than the previous kernel, which
-// probed in first-occurrence order and fetched a candidate's bucket again to assign it).
+// batches of 65536 Zipf ids, ~32k of them distinct, ~32k buckets): the pass over the buckets
+// is bound by the memory system, 8 cache lines from 3 pages of the 1 GiB state a bucket, some
+// 85-95 ns a bucket a core on 4 KiB pages (about 16% less where the state is on transparent
+// huge pages: fewer page walks); its prefetches are worth ~20%, and fetching fewer of the
+// lines (only keys, or one line of each 128-byte pair) changes nothing measurable. It is ~70%
+// of the step's CPU time; phases 1-3 before it were serial (the previous kernel grouped the
+// distinct ids on the calling thread: ~30% of a step's wall time), and are now split over the
+// threads in parts small enough for the L1/L2.
 //
 // Every shape and attribute is checked and a bad one returns an ffi::Error that names it.
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
@@ -170,6 +182,50 @@ inline int32_t BucketOf(const Table& t, uint32_t lo, uint32_t hi) {
   return static_cast<int32_t>(t.bucket_mod(Murmur(lo, hi, t.bucket_seed)));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+// BucketOf for the 16 ids at id[0, 32) (pairs), lanes as in BucketOf, -1 for the reserved
+// id; returns how many were reserved. Murmur's 32-bit steps on 16 lanes, then FastMod's
+// ((m·x mod 2^64)·d) >> 64 from 32x32 -> 64-bit products on 8 lanes at a time.
+inline int BucketOf16(const Table& t, const uint32_t* id, int32_t* out) {
+  const __m512i a = _mm512_loadu_si512(id), b = _mm512_loadu_si512(id + 16);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i lo = _mm512_permutex2var_epi32(a, even, b);
+  const __m512i hi = _mm512_permutex2var_epi32(a, _mm512_add_epi32(even, _mm512_set1_epi32(1)), b);
+  __m512i h = _mm512_set1_epi32(static_cast<int>(t.bucket_seed));
+  for (const __m512i& block : {lo, hi}) {
+    __m512i k = _mm512_mullo_epi32(block, _mm512_set1_epi32(static_cast<int>(0xCC9E2D51u)));
+    k = _mm512_mullo_epi32(_mm512_rol_epi32(k, 15), _mm512_set1_epi32(0x1B873593));
+    h = _mm512_rol_epi32(_mm512_xor_si512(h, k), 13);
+    h = _mm512_add_epi32(_mm512_mullo_epi32(h, _mm512_set1_epi32(5)),
+                         _mm512_set1_epi32(static_cast<int>(0xE6546B64u)));
+  }
+  h = _mm512_xor_si512(h, _mm512_set1_epi32(8));
+  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+  h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(0x85EBCA6Bu)));
+  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
+  h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(0xC2B2AE35u)));
+  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+  const __m512i m_lo = _mm512_set1_epi64(static_cast<long long>(t.bucket_mod.m & 0xFFFFFFFFu));
+  const __m512i m_hi = _mm512_set1_epi64(static_cast<long long>(t.bucket_mod.m >> 32));
+  const __m512i d = _mm512_set1_epi64(t.bucket_mod.d);
+  auto mod = [&](__m256i x32) {
+    const __m512i x = _mm512_cvtepu32_epi64(x32);
+    const __m512i l = _mm512_add_epi64(_mm512_mul_epu32(x, m_lo),
+                                       _mm512_slli_epi64(_mm512_mul_epu32(x, m_hi), 32));
+    const __m512i low = _mm512_srli_epi64(_mm512_mul_epu32(l, d), 32);
+    const __m512i q = _mm512_add_epi64(_mm512_mul_epu32(_mm512_srli_epi64(l, 32), d), low);
+    return _mm512_cvtepi64_epi32(_mm512_srli_epi64(q, 32));
+  };
+  __m512i bucket = _mm512_inserti64x4(_mm512_castsi256_si512(mod(_mm512_castsi512_si256(h))),
+                                      mod(_mm512_extracti64x4_epi64(h, 1)), 1);
+  const __m512i ones = _mm512_set1_epi32(-1);
+  const __mmask16 empty = _mm512_cmpeq_epi32_mask(lo, ones) & _mm512_cmpeq_epi32_mask(hi, ones);
+  bucket = _mm512_mask_mov_epi32(bucket, empty, ones);
+  _mm512_storeu_si512(out, bucket);
+  return __builtin_popcount(empty);
+}
+#endif
+
 // The slots (bit s: slot s) of the S <= 64 keys at k that equal `v`: AVX-512 compares 8 keys
 // at a time where the build has it; otherwise a branch-free loop the compiler vectorizes.
 inline uint64_t SlotMask(const uint32_t* k, int64_t S, uint64_t v) {
@@ -216,6 +272,16 @@ inline void PrefetchLines(const void* p, int64_t bytes, bool write = false) {
     } else {
       __builtin_prefetch(c + b, 0, 3);
     }
+    asm volatile("" : : "r"(c + b));
+  }
+}
+
+// The same into the L2 only (prefetcht2), for lines wanted a long while later: the far half of
+// the walk's two-distance prefetch (StepPart::WalkBuckets).
+inline void PrefetchLinesToL2(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) {
+    __builtin_prefetch(c + b, 0, 1);
     asm volatile("" : : "r"(c + b));
   }
 }
@@ -301,6 +367,44 @@ uint64_t* SortByHighHalf(uint64_t* keys, uint64_t* tmp, int64_t n, int bits) {
   return keys;
 }
 
+#if defined(__AVX512F__)
+// The least of bucket `base`'s victims (as TakeSlots orders them), 16 slots a compare, for
+// S <= 64 a multiple of 16: the slots that may be taken as a mask, then the least count (lfu)
+// and the least last_seen among them as masked minima, then the first slot (least row) that
+// has both; -1 where no slot may be taken. One victim is what almost every eviction needs.
+inline int64_t LeastVictim(const Table& tb, const StepAttrs& at, int32_t t, int64_t base,
+                           const uint32_t* keys, const int32_t* last, const int32_t* count) {
+  const int64_t S = tb.S;
+  const uint64_t all = S == 64 ? ~uint64_t{0} : (uint64_t{1} << S) - 1;
+  uint64_t ok = ~SlotMask(keys + 2 * base, S, kEmptyId) & all;  // held rows
+  const __m512i now = _mm512_set1_epi32(t), ttl = _mm512_set1_epi32(
+                                                static_cast<int32_t>(at.ttl_steps));
+  for (int64_t s = 0; s < S; s += 16) {
+    const __m512i l = _mm512_loadu_si512(last + base + s);
+    __mmask16 m = _mm512_cmpneq_epi32_mask(l, now);  // not read in this step
+    if (at.policy == kTtl) m &= _mm512_cmpgt_epi32_mask(_mm512_sub_epi32(now, l), ttl);
+    ok &= ~(static_cast<uint64_t>(static_cast<__mmask16>(~m)) << s);
+  }
+  if (!ok) return -1;
+  auto least = [&](const int32_t* v, uint64_t mask) {  // min of v over mask, then where
+    __m512i lo = _mm512_set1_epi32(kInt32Max);
+    for (int64_t s = 0; s < S; s += 16) {
+      lo = _mm512_mask_min_epi32(lo, static_cast<__mmask16>(mask >> s), lo,
+                                 _mm512_loadu_si512(v + base + s));
+    }
+    const __m512i m = _mm512_set1_epi32(_mm512_reduce_min_epi32(lo));
+    uint64_t at_min = 0;
+    for (int64_t s = 0; s < S; s += 16) {
+      at_min |= static_cast<uint64_t>(
+                    _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(v + base + s), m)) << s;
+    }
+    return mask & at_min;
+  };
+  if (at.policy == kLfu) ok = least(count, ok);
+  return base + __builtin_ctzll(least(last, ok));
+}
+#endif
+
 // The first `want` places of bucket b's order (remap._pick): its free slots ascending, then its
 // victims by (count, last_seen, row) under lfu, by (last_seen, row) otherwise; a slot read in
 // this step (last_seen == t) is no victim, nor under ttl one with t - last_seen <= ttl_steps.
@@ -323,6 +427,13 @@ int64_t TakeSlots(const Table& tb, const StepAttrs& at, int32_t t, int64_t b, in
     }
   }
   if (n == want) return n;
+#if defined(__AVX512F__)
+  if (want - n == 1 && tb.S % 16 == 0 && tb.S <= 64) {
+    const int64_t r = LeastVictim(tb, at, t, base, keys, last, count);
+    if (r >= 0) out[n++] = static_cast<int32_t>(r);
+    return n;
+  }
+#endif
   int64_t nv = 0;
   for (int64_t r = base; r < base + tb.S; ++r) {
     if (!IsEmpty(keys + 2 * r) && last[r] != t &&
@@ -354,15 +465,22 @@ int64_t TakeSlots(const Table& tb, const StepAttrs& at, int32_t t, int64_t b, in
   return n;
 }
 
-// The batch's distinct ids, numbered in first-occurrence order: each one's bucket,
-// multiplicity, estimate (its multiplicity without counting) and row after the step (-1: none).
-struct Distinct {
-  int64_t n = 0;
-  std::unique_ptr<uint64_t[]> id;
-  std::unique_ptr<int32_t[]> bucket, mult, est, row;
-};
+// Calls fn(i) for every i in [0, n) on the team's threads, each thread claiming the next i
+// whenever it is free, so a thread the machine preempts leaves its share to the others. Each i
+// writes only its own outputs: which thread runs it changes nothing.
+template <class F>
+void ForEach(Team& team, int n, const F& fn) {
+  std::atomic<int> next{0};
+  team.Run([&](int) {
+    for (int i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) fn(i);
+  });
+}
 
-// What a step's parts share: the table, the attributes, the state and the distinct ids.
+// Parts of the buckets (and chunks of the slots) a thread: small parts keep a part's dedup
+// table and arrays in the L1/L2, and let the threads even out what a preempted one leaves.
+constexpr int64_t kPartsPerThread = 4;
+
+// What a step's parts share: the table, the attributes and the state.
 struct StepContext {
   Table tb;
   StepAttrs at;
@@ -373,11 +491,10 @@ struct StepContext {
   FastMod w_mod;
   uint32_t sketch_seed[kMaxSketchDepth];
   bool counting, atomic_sketch;
-  Distinct* u;
-  const int32_t* est;  // [U] the distinct ids' estimates
 
-  int64_t Counter(uint64_t id, int64_t j) const {
-    return j * w_mod.d + w_mod(Murmur(Lo(id), Hi(id), sketch_seed[j]));
+  // Sketch row j's counter of `id`: its column (the cell is j·w + column).
+  uint32_t Column(uint64_t id, int64_t j) const {
+    return static_cast<uint32_t>(w_mod(Murmur(Lo(id), Hi(id), sketch_seed[j])));
   }
   // Asks for bucket b's keys, last_seen and count (all read by a victim search; the hits'
   // touch writes the last two) a few buckets before they are read.
@@ -388,154 +505,310 @@ struct StepContext {
   }
 };
 
-// One thread's share of a step: a run of the distinct ids sorted by bucket (whole buckets), the
-// rows it assigned (in order: bucket, then rank) and its counts.
+// The split of the buckets over P parts: part p owns the buckets b with Owner(b) = p, a run
+// [Lo(p), Lo(p + 1)) of about num_buckets / P of them (a multiply and a shift a slot, no
+// division), so every id belongs to exactly one part, whichever slot it is in.
+struct Split {
+  int P = 1;
+  uint64_t mul = 0;  // floor(P · 2^32 / num_buckets) <= 2^32 (P <= num_buckets)
+  int64_t num_buckets = 1;
+  Split(int parts, int64_t nb) : P(parts), num_buckets(nb) {
+    mul = (static_cast<uint64_t>(parts) << 32) / static_cast<uint64_t>(nb);
+  }
+  int Owner(int64_t b) const { return static_cast<int>((static_cast<uint64_t>(b) * mul) >> 32); }
+  int64_t Lo(int p) const {  // the least b with Owner(b) >= p
+    if (p == 0) return 0;
+    if (p >= P) return num_buckets;
+    const uint64_t want = static_cast<uint64_t>(p) << 32;
+    return std::min<int64_t>(num_buckets, static_cast<int64_t>((want + mul - 1) / mul));
+  }
+};
+
+// A slot of the batch as its part reads it: the id and its bucket.
+struct Slot {
+  uint64_t id;
+  int64_t bucket;
+};
+
+// The batch's slots as the parts read them: each slot's bucket (-1: the reserved id), and for
+// each chunk q of the slots (P equal chunks) the slots of it that part p owns (owned[q·P + p]).
+struct Batch {
+  const uint32_t* id;
+  int64_t M;
+  std::unique_ptr<int32_t[]> bucket;
+  std::unique_ptr<Slot[]> by_owner;  // each chunk's slots (not reserved) by part, in slot order
+  std::vector<int64_t> owned;
+  std::vector<int64_t> segment;  // [q·P + p]: where chunk q's slots of part p start in by_owner
+  std::vector<int32_t> reserved;  // per chunk
+};
+
+// One part of a step: the buckets [lo, hi) and the batch's ids in them. It finds their distinct
+// ids, sorts them by bucket and decides its buckets in ascending order; the rows it assigns (in
+// order: bucket, then rank), its counts, and the row of each of its slots.
 class StepPart {
  public:
-  static constexpr int64_t kAhead = 8;  // buckets prefetched ahead of the one decided
+  static constexpr int64_t kAhead = 8;      // buckets prefetched ahead of the one decided
+  static constexpr int64_t kFar = 32;       // ... and into the L2 only, further ahead (the walk)
+  static constexpr int64_t kPlaceAhead = 16;  // slots whose dedup place is asked for ahead
+  static constexpr int64_t kAddLag = 8;     // ids whose sketch cells are asked for before adding
 
-  StepPart(const uint64_t* sorted, int64_t a, int64_t e) : sorted_(sorted), a_(a), e_(e) {}
+  StepPart(int p, const Split& split) : p_(p), lo_(split.Lo(p)), hi_(split.Lo(p + 1)) {}
 
-  // Phase 1, one pass over the part's buckets, each prefetched kAhead buckets before: its
-  // distinct ids are found, its hits touched, then (without counting) its candidates assigned
-  // while its lines are in the cache; with counting its misses are added to the sketch
-  // (atomically when several parts run) and it is kept for phase 2.
-  void Walk(const StepContext& cx) {
-    Distinct& u = *cx.u;
-    reset_ = Uninitialized<int32_t>(e_ - a_);
-    displaced_ = Uninitialized<uint64_t>(e_ - a_);
+  // The part's slots (in slot order: chunk by chunk) grouped into its distinct ids (an
+  // open-addressing table, linear probing, keyed by the 64-bit id, at most half full: 4 bytes
+  // a place, in the L2), then the distinct ids sorted by bucket (a stable radix sort of
+  // (bucket, number) pairs) and laid out in that order: id, bucket and multiplicity, read in
+  // sequence by the walk; and each slot's distinct id (its place in that order).
+  void Gather(const StepContext& cx, const Batch& batch, int P) {
+    n_own_ = 0;
+    for (int q = 0; q < P; ++q) n_own_ += batch.owned[static_cast<size_t>(q) * P + p_];
+    slot_ = Uninitialized<int32_t>(n_own_);
+    auto first_id = Uninitialized<uint64_t>(n_own_);
+    auto first_pair = Uninitialized<uint64_t>(n_own_);  // (bucket - lo) << 32 | multiplicity
+    int log2 = 4;
+    while ((int64_t{1} << log2) < 2 * n_own_) ++log2;
+    const uint64_t places = uint64_t{1} << log2, place_mask = places - 1;
+    auto place = Uninitialized<int32_t>(static_cast<int64_t>(places));
+    std::fill(place.get(), place.get() + places, -1);
+    auto home = [&](uint64_t key) { return (key * 0x9E3779B97F4A7C15ull) >> (64 - log2); };
+    int64_t k = 0;
+    int32_t n = 0;
+    for (int q = 0; q < P; ++q) {
+      const Slot* list = batch.by_owner.get() + batch.segment[static_cast<size_t>(q) * P + p_];
+      const int64_t n_list = batch.owned[static_cast<size_t>(q) * P + p_];
+      for (int64_t x = 0; x < n_list; ++x) {
+        if (x + kPlaceAhead < n_list) __builtin_prefetch(&place[home(list[x + kPlaceAhead].id)]);
+        const uint64_t key = list[x].id;
+        uint64_t h = home(key);  // Fibonacci hashing
+        int32_t v;
+        while ((v = place[h]) >= 0 && first_id[v] != key) h = (h + 1) & place_mask;
+        if (v < 0) {
+          v = n++;
+          place[h] = v;
+          first_id[v] = key;
+          first_pair[v] = static_cast<uint64_t>(list[x].bucket - lo_) << 32;
+        }
+        ++first_pair[v];  // the multiplicity, in the low half
+        slot_[k++] = v;
+      }
+    }
+    place.reset();
+    U_ = n;
+    // By bucket: the pairs become (bucket - lo) << 32 | number.
+    auto pairs = Uninitialized<uint64_t>(2 * U_);
+    for (int64_t v = 0; v < U_; ++v) {
+      pairs[v] = (first_pair[v] >> 32) << 32 | static_cast<uint64_t>(v);
+    }
+    const uint64_t* sorted = SortByHighHalf(pairs.get(), pairs.get() + U_, U_,
+                                            BitsFor(static_cast<uint64_t>(hi_ - lo_)));
+    id_ = Uninitialized<uint64_t>(U_);
+    bucket_ = Uninitialized<int32_t>(U_);
+    mult_ = Uninitialized<int32_t>(U_);
+    row_ = Uninitialized<int32_t>(U_);
+    if (cx.counting) {
+      est_ = Uninitialized<int32_t>(U_);
+      column_ = Uninitialized<uint32_t>(U_ * cx.D);
+    }
+    auto at = Uninitialized<int32_t>(U_);  // each number's place in bucket order
+    for (int64_t j = 0; j < U_; ++j) {
+      const int32_t v = static_cast<int32_t>(sorted[j]);
+      id_[j] = first_id[v];
+      bucket_[j] = static_cast<int32_t>((sorted[j] >> 32) + lo_);
+      mult_[j] = static_cast<int32_t>(first_pair[v]);
+      at[v] = static_cast<int32_t>(j);
+    }
+    for (int64_t q = 0; q < n_own_; ++q) slot_[q] = at[slot_[q]];
+    group_.clear();
+    for (int64_t j = 0; j < U_; ++j) {
+      if (j == 0 || bucket_[j] != bucket_[j - 1]) group_.push_back(j);
+    }
+    group_.push_back(U_);
+    reset_ = Uninitialized<int32_t>(U_);
+    displaced_ = Uninitialized<uint64_t>(U_);
     places_.resize(static_cast<size_t>(cx.tb.S));
     victims_.resize(static_cast<size_t>(cx.tb.S));
-    int64_t ahead = a_;  // the first id of the next bucket to prefetch
-    auto prefetch_next = [&] {
-      if (ahead >= e_) return;
-      const uint64_t b = sorted_[ahead] >> 32;
-      cx.Prefetch(static_cast<int64_t>(b));
-      do {  // and the ids' own entries (the cache's other lines push them out)
-        const int32_t v = static_cast<int32_t>(sorted_[ahead]);
-        __builtin_prefetch(&u.id[v]);
-        __builtin_prefetch(&cx.est[v]);
-        __builtin_prefetch(&u.mult[v]);
-        __builtin_prefetch(&u.row[v], 1);
-      } while (++ahead < e_ && sorted_[ahead] >> 32 == b);
+  }
+
+  // One pass over the part's buckets, each prefetched into the L2 kFar buckets before and into
+  // the L1 kAhead buckets before (measured here: ~15% less time in the pass than the L1 alone
+  // at 8 ahead, which left the step waiting on the L1's few outstanding misses; 16 or 32
+  // ahead into the L1 alone did not help): its distinct ids are found, its hits touched, then
+  // (without counting) its candidates assigned while its lines are in the cache; with counting
+  // its misses are added to the sketch (atomically when several parts run; each add kAddLag
+  // ids after its cells were asked for) and the bucket is kept for DecideCounted. Compiled for
+  // S = 32 (the default) apart, so that its loops unroll.
+  void Walk(const StepContext& cx) {
+    if (cx.tb.S == 32) {
+      WalkBuckets<32>(cx);
+    } else {
+      WalkBuckets<0>(cx);
+    }
+  }
+
+  template <int kS>
+  void WalkBuckets(const StepContext& cx) {
+    const int64_t S = kS ? kS : cx.tb.S;
+    const int64_t G = static_cast<int64_t>(group_.size()) - 1;  // buckets
+    auto far = [&](int64_t g) {  // bucket g's lines into the L2
+      const int64_t b = bucket_[group_[g]];
+      PrefetchLinesToL2(cx.keys + 2 * b * S, S * 8);
+      PrefetchLinesToL2(cx.last + b * S, S * 4);
+      PrefetchLinesToL2(cx.count + b * S, S * 4);
     };
-    for (int64_t q = 0; q < kAhead; ++q) prefetch_next();
-    for (int64_t a = a_, e; a < e_; a = e) {
-      prefetch_next();
-      const int64_t b = static_cast<int64_t>(sorted_[a] >> 32);
-      for (e = a + 1; e < e_ && static_cast<int64_t>(sorted_[e] >> 32) == b;) ++e;
-      const uint32_t* bucket_keys = cx.keys + 2 * b * cx.tb.S;
+    auto near = [&](int64_t g) {  // and from there into the L1 (last_seen, count for writing)
+      const int64_t b = bucket_[group_[g]];
+      PrefetchLines(cx.keys + 2 * b * S, S * 8);
+      PrefetchLines(cx.last + b * S, S * 4, true);
+      PrefetchLines(cx.count + b * S, S * 4, true);
+    };
+    for (int64_t g = 0; g < std::min(G, kFar); ++g) far(g);
+    for (int64_t g = 0; g < std::min(G, kAhead); ++g) near(g);
+    int64_t added_upto = 0;  // misses[0, added_upto) are in the sketch (counting)
+    for (int64_t g = 0; g < G; ++g) {
+      if (g + kFar < G) far(g + kFar);
+      if (g + kAhead < G) near(g + kAhead);
+      const int64_t a = group_[g], e = group_[g + 1], b = bucket_[a];
+      const uint32_t* bucket_keys = cx.keys + 2 * b * S;
       bool miss = false;
       for (int64_t j = a; j < e; ++j) {
-        const int32_t v = static_cast<int32_t>(sorted_[j]);
-        const int64_t s = FindInBucket(bucket_keys, cx.tb.S, u.id[v]);
+        const int64_t s = FindInBucket(bucket_keys, S, id_[j]);
         if (s < 0) {
-          u.row[v] = -1;
+          row_[j] = -1;
           miss = true;
           continue;
         }
-        const int64_t r = b * cx.tb.S + s;
+        const int64_t r = b * S + s;
         cx.last[r] = cx.t;
-        cx.count[r] = SaturatingAdd(cx.count[r], u.mult[v]);
-        u.row[v] = static_cast<int32_t>(r);
+        cx.count[r] = SaturatingAdd(cx.count[r], mult_[j]);
+        row_[j] = static_cast<int32_t>(r);
         ++hits_;
       }
       if (!miss) continue;
       if (!cx.counting) {
-        Decide(cx, b, a, e);
+        Decide(cx, b, a, e, mult_.get());
         continue;
       }
       for (int64_t j = a; j < e; ++j) {
-        const int32_t v = static_cast<int32_t>(sorted_[j]);
-        if (u.row[v] >= 0) continue;
+        if (row_[j] >= 0) continue;
+        uint32_t* col = column_.get() + j * cx.D;
         for (int64_t d = 0; d < cx.D; ++d) {
-          int32_t* c = cx.sketch + cx.Counter(u.id[v], d);
-          if (cx.atomic_sketch) {  // wrapping adds commute: the sums are the same in any order
-            __atomic_fetch_add(c, u.mult[v], __ATOMIC_RELAXED);
-          } else {
-            *c = WrapAdd(*c, u.mult[v]);
-          }
+          col[d] = cx.Column(id_[j], d);
+          __builtin_prefetch(cx.sketch + d * cx.w_mod.d + col[d], 1, 3);
         }
-        added_ = WrapAdd(added_, u.mult[v]);
+        misses_.push_back(static_cast<int32_t>(j));
+        added_ = WrapAdd(added_, mult_[j]);
       }
-      counted_.push_back(a);
+      for (; added_upto + kAddLag < static_cast<int64_t>(misses_.size()); ++added_upto) {
+        AddToSketch(cx, misses_[added_upto]);
+      }
+      counted_.push_back(g);
+    }
+    for (; added_upto < static_cast<int64_t>(misses_.size()); ++added_upto) {
+      AddToSketch(cx, misses_[added_upto]);
     }
   }
 
-  // Phase 2 (counting only, after every part's adds): each kept bucket's misses read their
-  // estimates, then its candidates are assigned (the buckets prefetched ahead again).
+  // After every part's adds (counting only): each kept bucket's misses read their estimates,
+  // then its candidates are assigned (the buckets and the misses' cells prefetched ahead).
   void DecideCounted(const StepContext& cx) {
-    Distinct& u = *cx.u;
-    const int64_t G = static_cast<int64_t>(counted_.size());
-    auto bucket = [&](int64_t g) { return static_cast<int64_t>(sorted_[counted_[g]] >> 32); };
-    for (int64_t g = 0; g < std::min(G, kAhead); ++g) cx.Prefetch(bucket(g));
-    for (int64_t g = 0; g < G; ++g) {
-      if (g + kAhead < G) cx.Prefetch(bucket(g + kAhead));
-      const int64_t b = bucket(g), a = counted_[g];
-      int64_t e = a + 1;
-      while (e < e_ && static_cast<int64_t>(sorted_[e] >> 32) == b) ++e;
-      for (int64_t j = a; j < e; ++j) {
-        const int32_t v = static_cast<int32_t>(sorted_[j]);
-        if (u.row[v] >= 0) continue;
-        int32_t est = cx.sketch[cx.Counter(u.id[v], 0)];
-        for (int64_t d = 1; d < cx.D; ++d) est = std::min(est, cx.sketch[cx.Counter(u.id[v], d)]);
-        u.est[v] = est;
+    const int64_t K = static_cast<int64_t>(counted_.size());
+    auto prefetch = [&](int64_t c) {
+      const int64_t g = counted_[c];
+      cx.Prefetch(bucket_[group_[g]]);
+      for (int64_t j = group_[g]; j < group_[g + 1]; ++j) {
+        if (row_[j] >= 0) continue;
+        const uint32_t* col = column_.get() + j * cx.D;
+        for (int64_t d = 0; d < cx.D; ++d) __builtin_prefetch(cx.sketch + d * cx.w_mod.d + col[d]);
       }
-      Decide(cx, b, a, e);
+    };
+    for (int64_t c = 0; c < std::min(K, kAhead); ++c) prefetch(c);
+    for (int64_t c = 0; c < K; ++c) {
+      if (c + kAhead < K) prefetch(c + kAhead);
+      const int64_t g = counted_[c], a = group_[g], e = group_[g + 1], b = bucket_[a];
+      for (int64_t j = a; j < e; ++j) {
+        if (row_[j] >= 0) continue;
+        const uint32_t* col = column_.get() + j * cx.D;
+        int32_t est = cx.sketch[col[0]];
+        for (int64_t d = 1; d < cx.D; ++d) est = std::min(est, cx.sketch[d * cx.w_mod.d + col[d]]);
+        est_[j] = est;
+      }
+      Decide(cx, b, a, e, est_.get());
     }
+  }
+
+  // After the decisions: each of the part's slots' rows (-1: none), in slot order.
+  void Finish() {
+    for (int64_t q = 0; q < n_own_; ++q) slot_[q] = row_[slot_[q]];
   }
 
   int64_t placed() const { return placed_; }
   const int32_t* reset() const { return reset_.get(); }
   const uint64_t* displaced() const { return displaced_.get(); }
+  const int32_t* slot_rows() const { return slot_.get(); }
   int32_t hits_ = 0, evicted_ = 0, refused_ = 0, pending_ = 0, added_ = 0;
 
  private:
-  // Bucket b's candidates among its misses (sorted_[a, e): estimate >= admit_after, the others
+  void AddToSketch(const StepContext& cx, int32_t j) {
+    const uint32_t* col = column_.get() + static_cast<int64_t>(j) * cx.D;
+    for (int64_t d = 0; d < cx.D; ++d) {
+      int32_t* c = cx.sketch + d * cx.w_mod.d + col[d];
+      if (cx.atomic_sketch) {  // wrapping adds commute: the sums are the same in any order
+        __atomic_fetch_add(c, mult_[j], __ATOMIC_RELAXED);
+      } else {
+        *c = WrapAdd(*c, mult_[j]);
+      }
+    }
+  }
+
+  // Bucket b's candidates among its misses ([a, e): estimate >= admit_after, the others
   // pending), ranked by (estimate descending, id); candidate r takes place r of the bucket's
   // order, or is refused.
-  void Decide(const StepContext& cx, int64_t b, int64_t a, int64_t e) {
-    Distinct& u = *cx.u;
+  void Decide(const StepContext& cx, int64_t b, int64_t a, int64_t e, const int32_t* est) {
     cand_.clear();
     for (int64_t j = a; j < e; ++j) {
-      const int32_t v = static_cast<int32_t>(sorted_[j]);
-      if (u.row[v] >= 0) continue;
-      if (cx.est[v] < cx.at.admit_after) {
+      if (row_[j] >= 0) continue;
+      if (est[j] < cx.at.admit_after) {
         ++pending_;
         continue;
       }
-      cand_.push_back(v);
+      cand_.push_back(static_cast<int32_t>(j));
     }
     if (cand_.empty()) return;
     const int64_t K = static_cast<int64_t>(cand_.size());
     if (K > 1) {
       std::sort(cand_.begin(), cand_.end(), [&](int32_t x, int32_t y) {
-        return cx.est[x] != cx.est[y] ? cx.est[x] > cx.est[y] : u.id[x] < u.id[y];
+        return est[x] != est[y] ? est[x] > est[y] : id_[x] < id_[y];
       });
     }
     const int64_t n = TakeSlots(cx.tb, cx.at, cx.t, b, std::min(K, cx.tb.S), cx.keys, cx.last,
                                 cx.count, places_.data(), victims_.data());
     refused_ += static_cast<int32_t>(K - n);
     for (int64_t q = 0; q < n; ++q) {
-      const int32_t v = cand_[q], r = places_[q];
+      const int32_t j = cand_[q], r = places_[q];
       const uint64_t old = Key64(cx.keys + 2 * r);
-      SetKey(cx.keys + 2 * r, u.id[v]);
+      SetKey(cx.keys + 2 * r, id_[j]);
       cx.last[r] = cx.t;
-      cx.count[r] = cx.est[v];
-      u.row[v] = r;
+      cx.count[r] = est[j];
+      row_[j] = r;
       reset_[placed_] = r;
       displaced_[placed_++] = old;
       evicted_ += old != kEmptyId;
     }
   }
 
-  const uint64_t* sorted_;  // (bucket << 32 | distinct number), by bucket
-  int64_t a_, e_;           // the part's run of sorted_
+  int p_;
+  int64_t lo_, hi_;            // the part's buckets
+  int64_t n_own_ = 0, U_ = 0;  // its slots, its distinct ids
+  std::unique_ptr<int32_t[]> slot_;  // each slot's distinct id (in bucket order), then its row
+  std::unique_ptr<uint64_t[]> id_;   // the distinct ids in bucket order: id, bucket, multiplicity,
+  std::unique_ptr<int32_t[]> bucket_, mult_, est_, row_;  // estimate (counting), row (-1: none)
+  std::unique_ptr<uint32_t[]> column_;  // [U, D] their sketch columns (counting)
   int64_t placed_ = 0;
   std::unique_ptr<int32_t[]> reset_;
   std::unique_ptr<uint64_t[]> displaced_;
-  std::vector<int32_t> cand_, places_, victims_;
-  std::vector<int64_t> counted_;  // phase 2's buckets: the first index of each in sorted_
+  std::vector<int32_t> cand_, places_, victims_, misses_;
+  std::vector<int64_t> group_;    // each bucket's first distinct id, then U
+  std::vector<int64_t> counted_;  // DecideCounted's buckets (their numbers in group_)
 };
 
 ffi::Error RemapStepImpl(ffi::Buffer<ffi::U32> ids, ffi::Buffer<ffi::S32> step_index,
@@ -611,62 +884,6 @@ ffi::Error RemapStepImpl(ffi::Buffer<ffi::U32> ids, ffi::Buffer<ffi::S32> step_i
   if (M == 0) return ffi::Error::Success();  // XLA's step returns the state unchanged
   const uint32_t* id = ids.typed_data();
 
-  // 1. The distinct ids, on the calling thread: an open-addressing table (linear probing) of
-  // distinct numbers keyed by the id, at most half full, 4 bytes a place (2M places: 512 KiB
-  // for M = 65536, about the L2), each place asked for 16 slots ahead (1.5x faster here).
-  // Only a new id's bucket is hashed.
-  Distinct u;
-  u.id = Uninitialized<uint64_t>(M);
-  u.bucket = Uninitialized<int32_t>(M);
-  u.mult = Uninitialized<int32_t>(M);
-  u.row = Uninitialized<int32_t>(M);
-  if (counting) u.est = Uninitialized<int32_t>(M);
-  auto slot_uid = Uninitialized<int32_t>(M);
-  int log2 = 4;
-  while ((int64_t{1} << log2) < 2 * M) ++log2;
-  const uint64_t places = uint64_t{1} << log2, place_mask = places - 1;
-  auto place = Uninitialized<int32_t>(static_cast<int64_t>(places));
-  std::fill(place.get(), place.get() + places, -1);
-  auto home = [&](uint64_t key) { return (key * 0x9E3779B97F4A7C15ull) >> (64 - log2); };
-  constexpr int64_t kPlaceAhead = 16;  // the place of the id 16 slots on is asked for
-  int32_t reserved = 0;
-  for (int64_t i = 0; i < M; ++i) {
-    if (i + kPlaceAhead < M) {
-      __builtin_prefetch(&place[home(Key64(id + 2 * (i + kPlaceAhead)))]);
-    }
-    if (IsEmpty(id + 2 * i)) {
-      ++reserved;
-      slot_uid[i] = -1;
-      continue;
-    }
-    const uint64_t key = Key64(id + 2 * i);
-    uint64_t h = home(key);  // Fibonacci hashing
-    int32_t v;
-    while ((v = place[h]) >= 0 && u.id[v] != key) h = (h + 1) & place_mask;
-    if (v < 0) {
-      v = static_cast<int32_t>(u.n++);
-      place[h] = v;
-      u.id[v] = key;
-      u.bucket[v] = BucketOf(tb, id[2 * i], id[2 * i + 1]);
-      u.mult[v] = 0;
-    }
-    ++u.mult[v];
-    slot_uid[i] = v;
-  }
-  place.reset();
-  const int64_t U = u.n;
-
-  // 2. The distinct ids by bucket (a stable radix sort of (bucket, number) pairs).
-  auto pairs = Uninitialized<uint64_t>(2 * U);
-  for (int64_t v = 0; v < U; ++v) {
-    pairs[v] = static_cast<uint64_t>(u.bucket[v]) << 32 | static_cast<uint64_t>(v);
-  }
-  const int bucket_bits = BitsFor(static_cast<uint64_t>(tb.num_buckets));
-  const uint64_t* sorted = SortByHighHalf(pairs.get(), pairs.get() + U, U, bucket_bits);
-
-  // 3. The buckets' decisions: the sorted ids split into one run a thread at bucket boundaries
-  // (rows are never shared: no locks, and each bucket's decision is its own, so none depends on
-  // the split).
   StepContext cx;
   cx.tb = tb;
   cx.at = StepAttrs{admit_after, policy, ttl_steps, sketch_window, static_cast<uint32_t>(seed)};
@@ -676,8 +893,6 @@ ffi::Error RemapStepImpl(ffi::Buffer<ffi::U32> ids, ffi::Buffer<ffi::S32> step_i
   cx.count = count_out->typed_data();
   cx.sketch = sketch_out->typed_data();
   cx.counting = counting;
-  cx.u = &u;
-  cx.est = counting ? u.est.get() : u.mult.get();  // without counting, the multiplicity
   if (counting) {
     cx.D = sd[0];
     cx.w_mod = FastMod(static_cast<uint32_t>(sd[1]));
@@ -685,47 +900,120 @@ ffi::Error RemapStepImpl(ffi::Buffer<ffi::U32> ids, ffi::Buffer<ffi::S32> step_i
       cx.sketch_seed[j] = StreamSeed(cx.at.seed, kStreamSketch + static_cast<uint32_t>(j));
     }
   }
-  Team team(ThreadsFor(num_threads, U, 2048));
+  Team team(ThreadsFor(num_threads, M, 4096));
   const int T = team.size();
   cx.atomic_sketch = T > 1;
-  auto aligned = [&](int q) {  // the first id of a bucket at or after part q's start
-    int64_t x = PartStart(U, T, q);
-    while (x > 0 && x < U && sorted[x] >> 32 == sorted[x - 1] >> 32) ++x;
-    return x;
-  };
-  std::vector<StepPart> parts;
-  for (int p = 0; p < T; ++p) parts.emplace_back(sorted, aligned(p), aligned(p + 1));
-  team.Run([&](int p) { parts[p].Walk(cx); });
-  if (counting) team.Run([&](int p) { parts[p].DecideCounted(cx); });
+  // P parts of the buckets and P chunks of the slots, each claimed by the next free thread
+  // (ForEach): a thread the machine preempts leaves its share to the others.
+  const int P = static_cast<int>(std::min<int64_t>(kPartsPerThread * T, tb.num_buckets));
+  const Split split(P, tb.num_buckets);
 
-  // 4. The results, laid out as XLA's: each slot's row (capacity where none); the assigned rows
-  // by bucket (the parts' runs ascend), then rank, padded with capacity, and the ids they held.
-  for (int64_t i = 0; i < M; ++i) {
-    const int32_t v = slot_uid[i];
-    const int32_t r = v >= 0 ? u.row[v] : -1;
-    rows[i] = r >= 0 ? r : static_cast<int32_t>(C);
-    found[i] = r >= 0;
-  }
-  int64_t placed = 0;
-  int32_t added = 0;
-  for (const StepPart& part : parts) {
-    std::copy(part.reset(), part.reset() + part.placed(), reset + placed);
-    for (int64_t q = 0; q < part.placed(); ++q) {
-      SetKey(evicted + 2 * (placed + q), part.displaced()[q]);
+  // 1. Each slot's bucket, by chunk, and the chunk's slots by the part that owns them.
+  Batch batch;
+  batch.id = id;
+  batch.M = M;
+  batch.bucket = Uninitialized<int32_t>(M);
+  batch.by_owner = Uninitialized<Slot>(M);
+  batch.owned.assign(static_cast<size_t>(P) * P, 0);
+  batch.segment.assign(static_cast<size_t>(P) * P, 0);
+  batch.reserved.assign(static_cast<size_t>(P), 0);
+  ForEach(team, P, [&](int q) {
+    std::vector<int64_t> owned(static_cast<size_t>(P), 0);  // here, not in batch.owned: its
+    int32_t reserved = 0;                                   // lines are shared by the chunks
+    const int64_t a = PartStart(M, P, q), e = PartStart(M, P, q + 1);
+    int64_t i = a;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    for (; i + 16 <= e; i += 16) reserved += BucketOf16(tb, id + 2 * i, &batch.bucket[i]);
+#endif
+    for (; i < e; ++i) {
+      const bool empty = IsEmpty(id + 2 * i);
+      reserved += empty;
+      batch.bucket[i] = empty ? -1 : BucketOf(tb, id[2 * i], id[2 * i + 1]);
     }
-    placed += part.placed();
+    for (i = a; i < e; ++i) {
+      const int32_t b = batch.bucket[i];
+      if (b >= 0) ++owned[split.Owner(b)];
+    }
+    batch.reserved[q] = reserved;
+    std::copy(owned.begin(), owned.end(), &batch.owned[static_cast<size_t>(q) * P]);
+    int64_t* put = &batch.segment[static_cast<size_t>(q) * P];
+    for (int64_t p = 0, at = a; p < P; at += owned[p++]) put[p] = at;
+    std::vector<int64_t> next(put, put + P);
+    for (i = a; i < e; ++i) {
+      const int32_t b = batch.bucket[i];
+      if (b >= 0) batch.by_owner[next[split.Owner(b)]++] = Slot{Key64(id + 2 * i), b};
+    }
+  });
+
+  // 2. Each part's buckets: its distinct ids by bucket, then its decisions. A bucket's decision
+  // reads and writes only its own rows and no two parts share a bucket: no locks, and no
+  // decision depends on the split (with counting, every add is in before any estimate is read).
+  std::vector<StepPart> parts;
+  parts.reserve(static_cast<size_t>(P));
+  for (int p = 0; p < P; ++p) parts.emplace_back(p, split);
+  ForEach(team, P, [&](int p) {
+    parts[p].Gather(cx, batch, P);
+    parts[p].Walk(cx);
+    if (!counting) parts[p].Finish();
+  });
+  if (counting) {
+    ForEach(team, P, [&](int p) {
+      parts[p].DecideCounted(cx);
+      parts[p].Finish();
+    });
+  }
+
+  // 3. The results, laid out as XLA's, by chunk: each slot's row (capacity where none), read
+  // from its part's rows in slot order; the assigned rows by bucket (the parts' runs ascend),
+  // then rank, padded with capacity, and the ids they held.
+  std::vector<int64_t> offset(static_cast<size_t>(P) + 1, 0);
+  std::vector<const int32_t*> part_rows(static_cast<size_t>(P));
+  int32_t added = 0, reserved = 0;
+  for (int p = 0; p < P; ++p) {
+    const StepPart& part = parts[p];
+    offset[p + 1] = offset[p] + part.placed();
+    part_rows[p] = part.slot_rows();
     stats[0] += part.hits_;
     stats[2] += part.evicted_;
     stats[3] += part.refused_;
     stats[4] += part.pending_;
     added = WrapAdd(added, part.added_);
+    reserved += batch.reserved[p];
   }
+  const int64_t placed = offset[P];
   stats[1] = static_cast<int32_t>(placed);
   stats[5] = reserved;
-  std::fill(reset + placed, reset + M, static_cast<int32_t>(C));
-  for (int64_t q = placed; q < M; ++q) SetKey(evicted + 2 * q, kEmptyId);
+  std::vector<int64_t> first(static_cast<size_t>(P) * P);  // [q·P + p]: part p's first slot in q
+  for (int p = 0; p < P; ++p) {
+    for (int64_t q = 0, n = 0; q < P; n += batch.owned[static_cast<size_t>(q++) * P + p]) {
+      first[static_cast<size_t>(q) * P + p] = n;
+    }
+  }
+  ForEach(team, P, [&](int q) {
+    std::vector<int64_t> next(first.begin() + static_cast<int64_t>(q) * P,
+                              first.begin() + static_cast<int64_t>(q + 1) * P);
+    for (int64_t i = PartStart(M, P, q), e = PartStart(M, P, q + 1); i < e; ++i) {
+      const int32_t b = batch.bucket[i];
+      int32_t r = -1;
+      if (b >= 0) {
+        const int p = split.Owner(b);
+        r = part_rows[p][next[p]++];
+      }
+      rows[i] = r >= 0 ? r : static_cast<int32_t>(C);
+      found[i] = r >= 0;
+    }
+    const StepPart& part = parts[q];
+    std::copy(part.reset(), part.reset() + part.placed(), reset + offset[q]);
+    for (int64_t j = 0; j < part.placed(); ++j) {
+      SetKey(evicted + 2 * (offset[q] + j), part.displaced()[j]);
+    }
+    const int64_t a = placed + PartStart(M - placed, P, q);
+    const int64_t e = placed + PartStart(M - placed, P, q + 1);
+    std::fill(reset + a, reset + e, static_cast<int32_t>(C));
+    for (int64_t j = a; j < e; ++j) SetKey(evicted + 2 * j, kEmptyId);
+  });
 
-  // 5. Halving, once per sketch_window counts.
+  // 4. Halving, once per sketch_window counts.
   if (counting) {
     int32_t* total = total_out->typed_data();
     total[0] = WrapAdd(total[0], added);

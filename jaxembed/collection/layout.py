@@ -45,6 +45,11 @@ class TablePlacement:
       rows_per_shard: L_t, its rows on each of those shards (padded).
       offset: its first local row on each of them.
       row_sharding: `"block"` or `"mod"` over its shards.
+      rotation: mod rows: row r goes to the table's shard `(r + rotation) % k` (local row
+        `r // k`). `layout_collection` gives the i-th mod table of a stack (in packing
+        order, the most rows first) rotation i % k, so the tables' low rows, a Zipf's
+        hottest, spread over the shards instead of all landing on the first (whose device
+        would pool and update the hot rows of every table).
     """
 
     name: str
@@ -56,6 +61,7 @@ class TablePlacement:
     rows_per_shard: int
     offset: int
     row_sharding: str
+    rotation: int = 0
 
     def stack_ids(self, ids: Any, local_rows: int) -> Any:
         """The stack rows of `ids` (jnp or numpy), -1 for ids outside `[0, vocab_size)`."""
@@ -66,7 +72,7 @@ class TablePlacement:
         if k == 1:  # the whole table on one shard: no division (XLA:CPU divides slowly)
             which, r = 0, safe
         elif self.row_sharding == "mod":
-            which, r = safe % k, safe // k
+            which, r = (safe + self.rotation) % k, safe // k
         else:
             which, r = safe // self.rows_per_shard, safe % self.rows_per_shard
         shard = self.shards[0] + which  # a table's shards are consecutive
@@ -280,6 +286,7 @@ def layout_collection(
         fill = [0] * n
         load = [0] * n  # the slots of the tables placed whole on each shard
         rows_of: dict[str, int] = {}
+        mods = 0  # the stack's mod tables so far: each rotated by one more shard
         todo = sorted(members, key=lambda m: (order[resolved[m][0]], -by_name[m].vocab_size))
         for name in todo:
             t = by_name[name]
@@ -301,10 +308,13 @@ def layout_collection(
             for s in shards:
                 fill[s] = offset + per_shard
             rows_of[name] = per_shard
+            row_sharding = t.row_sharding if len(shards) > 1 else "block"
+            rotation = mods % len(shards) if row_sharding == "mod" else 0
+            mods += row_sharding == "mod"
             table_placements[name] = TablePlacement(
                 name=name, vocab_size=t.vocab_size, dim=t.dim, placement=placement,
                 stack=index, shards=shards, rows_per_shard=per_shard, offset=offset,
-                row_sharding=t.row_sharding if len(shards) > 1 else "block",
+                row_sharding=row_sharding, rotation=rotation,
             )  # fmt: skip
         stack = Stack(
             index=index, dim=dim, dtype=dtype, row_axes=r, hidden_axes=k, num_shards=n,

@@ -88,6 +88,7 @@ __all__ = [
     "default_ids_spec",
     "groups_of",
     "needs_factors",
+    "stack_exchange",
 ]
 
 
@@ -414,9 +415,10 @@ def collection_lookup(
         ids_spec = _ids_spec(ids, stack, where, x_spec, warn=True)
         options = LookupOptions(
             vocab_size=stack.shape[0], mesh=mesh, x_spec=ids_spec,
-            weight_spec=_weight_spec(stack, where), exchange=_exchange(exchange, group.stack),
-            capacity_factor=capacity_factor, impl=impl, combiner=group.combiner,
-            check_ids=False, function="EmbeddingBagCollection", ids_advice=IDS_ADVICE,
+            weight_spec=_weight_spec(stack, where),
+            exchange=stack_exchange(exchange, layout, group.stack),
+            capacity_factor=capacity_factor, impl=impl, combiner=group.combiner, check_ids=False,
+            function="EmbeddingBagCollection", ids_advice=IDS_ADVICE,
             routed_pool=_routed_pool(routed_pool, group.combiner),
         )  # fmt: skip
         if return_stats:
@@ -532,10 +534,25 @@ def _requested(exchange: Any, stack: int) -> str:
     return exchange.get(stack, "auto") if isinstance(exchange, Mapping) else exchange
 
 
-def _exchange(exchange: Any, stack: int) -> str:
+def stack_exchange(exchange: Any, layout: CollectionLayout, stack: int) -> str:
     """The exchange a stack's bag calls run: `"table"` (the table-wise exchange, for the calls
-    `_calls` gives to `jaxembed.kernels.tablewise`) runs its other calls as `"auto"`."""
+    `_calls` gives to `jaxembed.kernels.tablewise`) runs its other calls as `"auto"`, and
+    `"table+X"` (a `CollectionPlan`'s, for a stack it plans both ways) as X.
+
+    `"auto"` on a stack holding a table split by block rows runs the gather exchange
+    (`"rows"`): recommender vocabularies are often ranked by frequency, and then block rows
+    put every hot id on the first shard, whose routed bucket would overflow its capacity
+    every step (the exact fallback is the gather exchange plus the bucketing). Mod rows (the
+    hot ids spread over the shards) and a `CollectionPlan`'s exchanges, priced with the ids'
+    measured skew (`id_stats`), route where that is faster."""
     chosen = _requested(exchange, stack)
+    if chosen.startswith("table+"):  # a plan's: table-wise calls, the rest by this exchange
+        return chosen.removeprefix("table+")
+    if chosen == "auto" and any(
+        p.placement in ("rows", "table_rows") and p.row_sharding == "block" and len(p.shards) > 1
+        for name, p in layout.placements if p.stack == stack
+    ):  # fmt: skip
+        return "rows"
     return "auto" if chosen == "table" else chosen
 
 
@@ -547,7 +564,9 @@ def _calls(layout: CollectionLayout, group: Group, batch, exchange: Any, mesh: A
     where the batch is split over the stack's row axes alone and the hidden axis is whole; the
     group's other features make a call of their own, as before."""
     stack = layout.stacks[group.stack]
-    if (_requested(exchange, group.stack) not in ("auto", "table") or group.kind != "stacked"
+    requested = _requested(exchange, group.stack)
+    tablewise_asked = requested in ("auto", "table") or requested.startswith("table+")
+    if (not tablewise_asked or group.kind != "stacked"
             or group.combiner != "sum" or stack.hidden_axes or stack.num_shards < 2):  # fmt: skip
         return [(group, None)]
     features = {f.name: f for f in layout.features}
@@ -648,9 +667,9 @@ def collection_update(
                 stacks[group.stack], states[group.stack], ids, out_grad, lengths=lengths,
                 per_id_weights=weights, combiner=group.combiner, vocab_size=stack.shape[0],
                 mesh=mesh, x_spec=ids_spec, weight_spec=_weight_spec(stack, where),
-                exchange=_exchange(exchange, group.stack), capacity_factor=capacity_factor,
-                impl=impl, routed_pool=_routed_pool(routed_pool, group.combiner),
-                return_stats=return_stats,
+                exchange=stack_exchange(exchange, layout, group.stack),
+                capacity_factor=capacity_factor, impl=impl,
+                routed_pool=_routed_pool(routed_pool, group.combiner), return_stats=return_stats,
             )  # fmt: skip
         stacks[group.stack], states[group.stack] = done[:2]
         if return_stats:

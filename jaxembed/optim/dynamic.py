@@ -228,14 +228,40 @@ def _body(s: _Static, state, keys, t, key, table, leaves, fresh):
     # table: f[V/n, H/m]   leaves: the optimizer state's per-row leaves, [V/n, ...] each
     """
     res = s.engine.step(s.config, state, keys, t)  # rows i32[*B], reset_rows i32[M]
-    m = res.reset_rows.shape[0]
-    values = initial_rows(s.initializer, key, t, res.reset_rows, s.hidden, table.dtype)  # f[M, H]
-    table = reset_rows(table, s.layout.table_spec, res.reset_rows, values)
-    new_leaves = tuple(
-        reset_rows(leaf, spec, res.reset_rows, jnp.broadcast_to(f, (m, *f.shape[1:])))
-        for leaf, spec, f in zip(leaves, s.layout.leaf_specs, fresh, strict=True)
-    )
+    table, new_leaves = _reset(s, res.reset_rows, key, t, table, tuple(leaves), fresh)
     return res.state, res.rows, res.stats, table, new_leaves
+
+
+def _reset_chunk(m: int) -> int:
+    """Rows reset per pass: an eighth of the step's id slots (at least 64, at most all)."""
+    return min(m, max(64, -(-m // 8)))
+
+
+def _reset(s: _Static, reset: jax.Array, key, t, table, leaves, fresh):
+    """The table's and the state's rows in `reset` (int32[M], the step's reset rows first,
+    then `capacity`) set to their initial values, `_reset_chunk(M)` rows a pass: a step
+    resets far fewer rows than it has id slots once the table is warm, so it draws the
+    initializer for those alone (a row's value depends on the key, the step and the row
+    only, so the passes give what one pass over all M would)."""
+    m = reset.shape[0]
+    if m == 0:  # an empty batch resets nothing
+        return table, leaves
+    k = _reset_chunk(m)
+    count = jnp.sum(reset < s.config.capacity, dtype=jnp.int32)
+    padded = jnp.pad(reset, (0, -m % k), constant_values=s.config.capacity)
+
+    def one_pass(i, carry):
+        table, leaves = carry
+        rows = jax.lax.dynamic_slice(padded, (i * k,), (k,))  # i32[k]
+        values = initial_rows(s.initializer, key, t, rows, s.hidden, table.dtype)  # f[k, H]
+        table = reset_rows(table, s.layout.table_spec, rows, values)
+        leaves = tuple(
+            reset_rows(leaf, spec, rows, jnp.broadcast_to(f, (k, *f.shape[1:])))
+            for leaf, spec, f in zip(leaves, s.layout.leaf_specs, fresh, strict=True)
+        )
+        return table, leaves
+
+    return jax.lax.fori_loop(0, (count + k - 1) // k, one_pass, (table, leaves))
 
 
 def _run(s: _Static, state, keys, t, key, table, leaves, fresh):

@@ -38,6 +38,7 @@ from jaxembed.plan import cost
 from jaxembed.plan.collection_cost import CallCost, Context, LayoutCost, LayoutError, evaluate
 from jaxembed.plan.idstats import IdStats
 from jaxembed.plan.specs import backend_of, format_bytes
+from jaxembed.quant import format as qformat
 
 __all__ = ["CollectionPlan", "TablePlan", "parse_bytes", "plan_collection"]
 
@@ -98,6 +99,9 @@ class CollectionPlan:
       exchange: `"rows"` when no call routes, else `"auto"` (kept for round-1 callers:
         `exchanges` is what the calls run).
       evaluations: the layouts priced.
+      serving: a plan of the lookups alone (no gradient, no update, no optimizer state).
+      precision: `((table, precision), ...)`: the tables served quantized, for
+        `coll.quantized(dict(plan.precision))`.
     """
 
     mesh_axes: tuple[tuple[str, int], ...]
@@ -116,6 +120,8 @@ class CollectionPlan:
     update_ms: tuple[float, ...]
     exchange: str
     evaluations: int
+    serving: bool = False
+    precision: tuple[tuple[str, str], ...] = ()
 
     @property
     def placements(self) -> dict[str, str]:
@@ -128,13 +134,20 @@ class CollectionPlan:
         `jaxembed.collection.collection_lookup` and `collection_update` (the collection
         modules read it from `placements=plan`). A stack whose calls differ is left out
         (`"auto"` decides it); `"none"` runs as `"rows"` (nothing to exchange); `"table"`
-        is the table-wise exchange (`jaxembed.kernels.tablewise`)."""
+        is the table-wise exchange (`jaxembed.kernels.tablewise`), and `"table+X"` a stack
+        whose table-wise call is planned so and whose other call runs X."""
         by_stack: dict[int, set[str]] = {}
         for call in self.calls:
             by_stack.setdefault(call.stack, set()).add(
                 "rows" if call.exchange == "none" else call.exchange
             )
-        return {s: e.pop() for s, e in sorted(by_stack.items()) if len(e) == 1}
+        out = {}
+        for s, e in sorted(by_stack.items()):
+            if len(e) == 1:
+                out[s] = e.pop()
+            elif len(e) == 2 and "table" in e:
+                out[s] = "table+" + (e - {"table"}).pop()
+        return out
 
     @property
     def peak_bytes(self) -> int:
@@ -172,6 +185,38 @@ def parse_bytes(value: Any) -> int:
             f"'2GiB' (units B, KB, MB, GB, KiB, MiB, GiB), got {value!r}"
         )
     return int(n)
+
+
+def _check_precision(precision: Any, by_name: Mapping[str, TableConfig]) -> dict[str, str]:
+    """`{table: precision}` of the tables served quantized (float ones left out)."""
+    if precision is None:
+        return {}
+    if isinstance(precision, str):
+        given: dict[str, Any] = dict.fromkeys(by_name, precision)
+    elif isinstance(precision, Mapping):
+        unknown = sorted(set(precision) - set(by_name))
+        if unknown:
+            raise ValueError(
+                f"precision names tables {unknown} that are not in the collection "
+                f"(its tables: {sorted(by_name)})"
+            )
+        given = dict(precision)
+    else:
+        raise TypeError(
+            f"precision must be None, a precision like 'int4' or {{table: precision}}, "
+            f"got {precision!r}"
+        )
+    out = {}
+    for name, p in given.items():
+        if p is None:
+            continue
+        qformat.check_precision(p)
+        try:
+            qformat.check_dim(by_name[name].dim, p)
+        except ValueError as e:
+            raise ValueError(f"table {name!r}: {e}") from None
+        out[name] = p
+    return out
 
 
 def _choices(t: TableConfig, sizes: dict[str, int]) -> list[str]:
@@ -217,6 +262,8 @@ def plan_collection(
     id_stats: IdStats | None = None,
     batch_axes: Sequence[str] | None = None,
     backend: str | None = None,
+    serving: bool | None = None,
+    precision: str | Mapping[str, str | None] | None = None,
 ) -> CollectionPlan:
     """Chooses a placement for every `"auto"` table: the fastest modelled step that fits.
 
@@ -234,6 +281,14 @@ def plan_collection(
       batch_axes: the mesh axes the batch is split over (default: every axis larger than
         one: data parallel over all devices).
       backend: the cost constants (`"cpu"`, `"gpu"`, `"tpu"`; default the mesh's).
+      serving: plan a serving step, the lookups alone: no gradient, no update, no optimizer
+        state in memory (default: True where `precision` is given, else False).
+      precision: the tables served quantized (`coll.quantized`): `"int8"`, `"int4"`,
+        `"int2"` or `"fp8"` for every table, or `{table: precision}` (a table left out, or
+        None, stays float). Memory counts each row's packed bytes and its float16 scale and
+        bias (`jaxembed.quant`); the exchanges move float32 pooled rows, as for a float
+        table. Tables that share a stack must share a precision (a stack is quantized
+        whole): layouts that mix them are skipped, or raise where the placements are fixed.
 
     Returns:
       A `CollectionPlan`.
@@ -242,7 +297,9 @@ def plan_collection(
       ValueError: bad configs, a batch that does not divide over `batch_axes`, a backend
         without cost constants (not `"cpu"`, `"gpu"` or `"tpu"`), or a budget that no
         layout fits (the message names the smallest budget that does and the table that
-        breaks this one).
+        breaks this one); an unknown precision or table, a dim the precision cannot pack,
+        quantized tables in a training plan (`serving=False`) or an optimizer in a serving
+        plan.
 
     Examples:
       >>> import jax
@@ -271,6 +328,18 @@ def plan_collection(
       Traceback (most recent call last):
       ...
       ValueError: no layout of the collection fits memory_per_device=8.0 MiB ...
+
+      A serving plan: as floats the item table does not fit whole in 64 MiB, so its columns
+      are split (8 a device); as int4 a row takes 32 bytes and its float16 scale and bias 4
+      more, so every device holds it whole and serves its lookups without a collective:
+
+      >>> def served(precision):
+      ...     plan = plan_collection(tables, features, mesh, batch_size=4096, backend="gpu",
+      ...                            memory_per_device="64MiB", serving=True,
+      ...                            precision=precision)
+      ...     return plan.placements["item"], plan.tables[0].memory_bytes
+      >>> served(None), served("int4")
+      (('columns', 32000000), ('replicated', 36000000))
     """
     by_name = check_configs(tables, features)
     budget = parse_bytes(memory_per_device)
@@ -287,14 +356,30 @@ def plan_collection(
             f"be mesh axes and the batch a positive multiple of {n_batch}"
             + (f" (unknown: {unknown})" if unknown else "")
         )
+    served = _check_precision(precision, by_name)
+    if serving is None:
+        serving = bool(served)
+    if served and not serving:
+        raise ValueError(
+            f"precision={precision!r} with serving=False: quantized tables are inference-only "
+            "(no gradient reaches them), so plan them with serving=True, or plan the training "
+            "step of float tables without precision"
+        )
+    if serving and optimizer is not None:
+        raise ValueError(
+            f"optimizer={optimizer!r} in a serving plan: a serving step updates nothing, so "
+            "leave optimizer=None (or plan the training step with serving=False)"
+        )
     formula = getattr(optimizer, "formula", optimizer)
     slots = (True,) if formula is None else tuple(s.per_row for s in formula.slots)
+    slots = () if serving else slots
     if backend is None:
         backend = cost.check_backend(backend_of(mesh), source="the mesh's platform")
     cost.check_backend(backend)
     ctx = Context(
         mesh=mesh, sizes=sizes, batch_size=int(batch_size), batch_axes=axes, state_slots=slots,
-        stats=id_stats, constants=cost.load_constants(backend),
+        stats=id_stats, constants=cost.load_constants(backend), update=not serving,
+        precision=served,
     )  # fmt: skip
     auto = sorted(
         (t for t in tables if t.placement == "auto"),
@@ -441,4 +526,5 @@ def _assemble(ctx, best: LayoutCost, budget, reasons, tables) -> CollectionPlan:
         step_ms=best.step_ms, allocated_bytes=best.allocated_bytes,
         buffer_bytes=best.buffer_bytes, used_bytes=best.used_bytes, update_ms=best.update_ms,
         exchange="auto" if routes else "rows", evaluations=ctx.evaluations,
+        serving=not ctx.update, precision=tuple(ctx.precision.items()),
     )  # fmt: skip

@@ -43,6 +43,7 @@ from jaxembed.plan.idstats import IdStats, distinct_draws, effective_vocab
 from jaxembed.plan.lookup import plan_embedding_bag
 from jaxembed.plan.specs import spec_entry
 from jaxembed.plan.types import EmbeddingPlan
+from jaxembed.quant import format as qformat
 
 __all__ = ["CallCost", "Context", "LayoutCost", "LayoutError", "evaluate"]
 
@@ -64,6 +65,8 @@ class Context:
     constants: cost.CostConstants
     plans: dict = dataclasses.field(default_factory=dict)  # per-call plan options, cached
     evaluations: int = 0
+    update: bool = True  # a training step; False: a serving step, the lookups alone
+    precision: dict[str, str] = dataclasses.field(default_factory=dict)  # served quantized
 
     @property
     def x_spec(self) -> P:
@@ -105,6 +108,7 @@ class _Option:
     transient_bytes: int
     lookup_bytes: float | None = None  # the lookup's, where the plan is not its exchange's
     again_bytes: float | None = None  # the update's second move of the ids, likewise
+    owner_slots: int = 0  # a table-wise call: the slots its busiest owner walks
 
     @property
     def ids_again_bytes(self) -> float:
@@ -177,7 +181,7 @@ def _options(
             combiner=combiner, weighted=weighted, x_spec=ctx.x_spec,
             lengths_spec=None if dense else P(),
             weights_spec=ctx.x_spec if weighted else None, weight_spec=stack.spec,
-            dtype=stack.dtype, exchange=exchange, update=True, backend=ctx.constants.backend,
+            dtype=stack.dtype, exchange=exchange, update=ctx.update, backend=ctx.constants.backend,
             optimizer_slots=ctx.state_slots,
         )  # fmt: skip
 
@@ -188,15 +192,41 @@ def _options(
         out_fwd, out_bwd, n_out = _out_move(ctx, p)
         again, n_again = _update_extra(ctx, p)
         extra = (out_fwd + out_bwd + again) / k.link_bytes_per_s + (n_out + n_again) * k.latency_s
+        ms, update_bytes = c.modelled_ms + extra * 1e3, p.backward_wire_bytes
+        if not ctx.update:  # serving: the lookup's way alone
+            out_bwd, update_bytes = 0.0, 0.0
+            ms = _serving_seconds(ctx, stack, p, c, out_fwd, 1 + (n_out > 2) if n_out else 0)
         mem = p.memory
         options[c.name] = _Option(
-            name=c.name, plan=p, ms=c.modelled_ms + extra * 1e3,
-            update_bytes=p.backward_wire_bytes, out_move_bytes=(out_fwd, out_bwd),
+            name=c.name, plan=p, ms=ms, update_bytes=update_bytes,
+            out_move_bytes=(out_fwd, out_bwd),
             transient_bytes=mem.ids * (2 if weighted else 1) + mem.out + mem.exchange_buffers
             + mem.update_buffers,
         )  # fmt: skip
+    if not ctx.update:  # the gather exchanges share their forward: keep one of them
+        same = [n for n in ("none", "rows", "dense") if n in options]
+        for n in same[1:]:
+            del options[n]
     ctx.plans[key] = options
     return options
+
+
+def _serving_seconds(ctx, stack, p, c, out_wire: float, out_count: int) -> float:
+    """The modelled ms of a serving call, the lookup alone: its forward collectives and the
+    output's move to the batch layout, and the rows it reads: a `1/R` share of the gathered
+    slots on the gather path (each shard reads the rows it holds), the owners' rows on the
+    routed one, which also buckets the slots once. Quantized rows read their packed bytes."""
+    k = cost.load_constants(ctx.constants.backend, p.impl)
+    routed = c.name == "routed"
+    h_local = stack.dim // math.prod(ctx.sizes[a] for a in stack.hidden_axes)
+    seconds = cost.modelled_seconds(
+        k, wire_bytes=p.forward_wire_bytes + out_wire,
+        rows=c.rows_gathered * (1.0 if routed else 1.0 / max(stack.num_shards, 1)),
+        row_bytes=_row_bytes(ctx, stack, h_local), collectives=len(p.forward) + out_count,
+        sorted_ids=p.routed.slots if routed and p.routed is not None else 0,
+        slots=c.rows_gathered,
+    )  # fmt: skip
+    return seconds * 1e3
 
 
 def _calls(ctx, layout, stack, whole, combiner):
@@ -232,19 +262,20 @@ def _tablewise_option(ctx, layout, stack, group, width, weighted, options) -> _O
     out = b * f_o * stack.dim * itemsize  # each owner's pooled [B, F_o, H] (and its gradient)
     ids_again = sum(cost.ring_wire_bytes("all-to-all", n, r) for r in (ids, ids * weighted))
     one_way = ids_again + cost.ring_wire_bytes("all-to-all", n, out)
-    collectives = 2 * (2 + int(weighted))
+    ways = 2 if ctx.update else 1  # serving: the lookup's way alone
+    collectives = ways * (2 + int(weighted))
     base = next(iter(options.values()))
     impl = base.plan.impl
     slots = b * f_o * width
     seconds = cost.modelled_seconds(
-        cost.load_constants(ctx.constants.backend, impl), wire_bytes=2 * one_way,
-        rows=2 * slots, row_bytes=stack.dim * itemsize, collectives=collectives,
-        sorted_ids=slots,
+        cost.load_constants(ctx.constants.backend, impl), wire_bytes=ways * one_way,
+        rows=ways * slots, row_bytes=stack.dim * itemsize, collectives=collectives,
+        sorted_ids=slots if ctx.update else 0, slots=ways * slots,
     )  # fmt: skip
     return _Option(  # its plan: the gather path's, the layouts and memory it shares
-        name="table", plan=base.plan, ms=seconds * 1e3, update_bytes=one_way,
-        out_move_bytes=(0.0, 0.0), transient_bytes=2 * ids * (2 if weighted else 1) + 2 * out,
-        lookup_bytes=one_way, again_bytes=ids_again,
+        name="table", plan=base.plan, ms=seconds * 1e3, update_bytes=one_way * (ways - 1),
+        out_move_bytes=(0.0, 0.0), transient_bytes=ways * ids * (2 if weighted else 1) + ways * out,
+        lookup_bytes=one_way, again_bytes=ids_again * (ways - 1), owner_slots=slots,
     )  # fmt: skip
 
 
@@ -275,6 +306,8 @@ class CallCost:
       note: why an exchange was charged more (a routed overflow), or "".
       ids_again_bytes: of `update_bytes`, the update's move of the ids (and weights) into its
         body again, which XLA may share with the lookup's when both are in one step.
+      owner_slots: a table-wise call (`exchange="table"`): the slots its busiest owner walks,
+        `batch · F_o · L` (0 for the other exchanges: their plan's candidates count them).
       fallback_forward_bytes, fallback_update_bytes: (properties) the routed fallback's.
     """
 
@@ -296,6 +329,7 @@ class CallCost:
     options: tuple[tuple[str, float], ...]
     note: str
     ids_again_bytes: float = 0.0
+    owner_slots: int = 0
 
     @property
     def wire_bytes(self) -> float:
@@ -351,8 +385,9 @@ def _shares(ctx: Context, t: TableConfig, layout: CollectionLayout, stack: Stack
     k = len(p.shards)
     if ctx.stats is not None and k > 1:
         q = ctx.stats.shard_shares(
-            t.name, vocab_size=t.vocab_size, num_shards=k, row_sharding=p.row_sharding
-        )
+            t.name, vocab_size=t.vocab_size, num_shards=k, row_sharding=p.row_sharding,
+            rotation=p.rotation,
+        )  # fmt: skip
     else:
         q = np.full(k, 1.0 / k)
     out[list(p.shards)] = q
@@ -371,8 +406,8 @@ def _held_rows(layout: CollectionLayout, t: TableConfig, stack: Stack, shards) -
         j = position[shards]  # the shard's place among the table's shards; -1: none of them
     else:
         j = np.zeros(shards.shape, int)
-    if p.row_sharding == "mod" and k > 1:
-        held = t.vocab_size // k + (j < t.vocab_size % k)
+    if p.row_sharding == "mod" and k > 1:  # shard j holds the rows r = j - rotation (mod k)
+        held = t.vocab_size // k + ((j - p.rotation) % k < t.vocab_size % k)
     else:
         held = np.clip(t.vocab_size - np.maximum(j, 0) * p.rows_per_shard, 0, p.rows_per_shard)
     return np.where(j >= 0, held, 0).astype(np.int64)
@@ -401,6 +436,31 @@ def _routed_overflow(ctx, option, stack, calls_tables, layout, by_table, per_slo
     )
 
 
+def _row_bytes(ctx: Context, stack: Stack, h_local: int) -> int:
+    """A row's bytes on one device: `h_local` floats, or served quantized (`ctx.precision`)
+    the packed values and, for the integer formats, a float16 scale and bias
+    (`jaxembed.quant.format`). The tables of a stack are quantized together, so they must
+    share a precision, as `coll.quantized` requires."""
+    given = {ctx.precision.get(name) for name in stack.tables}
+    if len(given) > 1:
+        names = ", ".join(f"{n!r}: {ctx.precision.get(n)}" for n in stack.tables)
+        raise LayoutError(
+            f"tables {{{names}}} share stack {stack.name} (same dim, dtype and placement axes), "
+            "which is quantized whole: give them one precision (None: float), or another "
+            "dtype or placement to split the stack"
+        )
+    (precision,) = given
+    if precision is None:
+        return h_local * np.dtype(stack.dtype).itemsize
+    if h_local % qformat.values_per_byte(precision):
+        raise LayoutError(
+            f"stack {stack.name}: {precision} cannot pack the {h_local} columns a device holds "
+            f"(it packs {qformat.values_per_byte(precision)} values a byte)"
+        )
+    side = 0 if precision == "fp8" else 2 * 2  # float16 scale and bias
+    return qformat.packed_bytes(h_local, precision) + side
+
+
 def evaluate(
     ctx: Context, tables: Sequence[TableConfig], features: Sequence[FeatureConfig]
 ) -> LayoutCost:
@@ -419,7 +479,7 @@ def evaluate(
     for stack in layout.stacks:
         k_cols = math.prod(ctx.sizes[a] for a in stack.hidden_axes)
         h_local = stack.dim // k_cols
-        row_bytes = h_local * np.dtype(stack.dtype).itemsize
+        row_bytes = _row_bytes(ctx, stack, h_local)
         state_row = sum(e_state if per_row else h_local * e_state for per_row in ctx.state_slots)
         allocated += stack.local_rows * (row_bytes + state_row)
         shards = _device_shards(ctx, stack)
@@ -470,10 +530,11 @@ def evaluate(
                 memory_rate = cost.load_constants(ctx.constants.backend, o.plan.impl + (
                     "-dedup" if o.plan.impl == "native" and stack.hidden_axes else ""
                 )).memory_bytes_per_s  # the kernels that update this stack's rows  # fmt: skip
-                update = rows * state_row * 2 / memory_rate * 1e3
+                update = rows * state_row * 2 / memory_rate * 1e3 * ctx.update
                 update_total += update
                 out_bytes = (ctx.batch_size // math.prod(ctx.sizes[a] for a in ctx.batch_axes)
                              * num_bags * stack.dim * np.dtype(stack.dtype).itemsize)  # fmt: skip
+                out_bytes *= 1 if ctx.update else 0.5  # serving: no output gradient
                 calls.append(CallCost(
                     stack=stack.index, stack_name=stack.name,
                     features=tuple(f.name for f in group), combiner=combiner,
@@ -484,6 +545,7 @@ def evaluate(
                     transient_bytes=o.transient_bytes,
                     options=tuple((n, costs[n]) for n in options),
                     note="; ".join(notes.values()), ids_again_bytes=o.ids_again_bytes,
+                    owner_slots=o.owner_slots,
                 ))  # fmt: skip
     buffers = sum(c.activation_bytes for c in calls) + max(
         (c.transient_bytes for c in calls), default=0

@@ -9,13 +9,15 @@ One place for the numbers every plan uses:
 * **Time** is modelled per device as
 
       time ≈ wire_bytes / link_bandwidth + rows_touched · row_bytes / memory_bandwidth
-             + ids_sorted / sort_rate + collectives · latency
+             + ids_sorted / sort_rate + collectives · latency + slots_walked · slot_s
 
   with one set of constants per backend and kernels (`BACKENDS`: `cpu` for XLA's kernels,
   `cpu-native` for jaxembed's C++ ones, `gpu`, `tpu`). The work terms count the table rows a
-  device gathers, scatters or updates, and the ids it sorts (the routed exchange's buckets, a
-  row-sparse update's dedup): on a CPU, where a "collective" between simulated devices is a
-  memory copy, they are what tells a fast exchange from one that merely sends fewer bytes.
+  device gathers, scatters or updates, the ids it sorts (the routed exchange's buckets, a
+  row-sparse update's dedup) and the slots its kernels walk (the gather path walks the whole
+  batch's on every device, owned or not): on a CPU, where a "collective" between simulated
+  devices is a memory copy, they are what tells a fast exchange from one that merely sends
+  fewer bytes.
   `jaxembed bench --calibrate` measures the CPU constants on the machine it runs on and saves
   them; `load_constants` picks them up (set `JAXEMBED_COST_FILE` to choose the file, or to an
   empty string to ignore it).
@@ -85,6 +87,10 @@ class CostConstants:
         (random row access, not streaming bandwidth).
       latency_s: fixed cost of one collective.
       sort_ids_per_s: ids per second a device sorts (or groups) by key.
+      slot_s: seconds a kernel spends on each slot it walks, whether this shard holds its
+        row or not (reading the id, its bag and factor, testing it): the gather path's
+        kernels walk every slot of the batch on every device, the routed exchange's only
+        the slots sent to the owner.
       source: where the numbers come from (a default, or a calibration file).
     """
 
@@ -93,18 +99,22 @@ class CostConstants:
     memory_bytes_per_s: float
     latency_s: float
     sort_ids_per_s: float = 1e6
+    slot_s: float = 0.0
     source: str = "default"
 
 
 # Defaults: CPU from `jaxembed bench --calibrate` on the 2-core development machine with 8
 # simulated devices (a collective there is a memcpy between threads; all devices measured at
 # once, so the figures are per device under contention), XLA's kernels (`cpu`) and jaxembed's
-# native ones (`cpu-native`: rows that a masked gather skips cost nothing, and a radix sort);
-# GPU and TPU are order-of-magnitude figures for one H100/H200 over NVLink and a TPU v5 chip
-# over ICI.
+# native ones (`cpu-native`: rows that a masked gather skips cost no row read, and a radix
+# sort). A walked slot: 24 ns with the native kernels, 8 devices at once (a masked pool of
+# 2^14-2^18 slots, bags of 20, rows of 128 floats); XLA's masked gather and segment sum cost
+# more than a row read there, which its rows term already charges, so its slot term is the
+# native one. GPU and TPU are order-of-magnitude figures for one H100/H200 over NVLink and a
+# TPU v5 chip over ICI; their slot term is not measured (0: their bandwidth terms price it).
 BACKENDS: dict[str, CostConstants] = {
-    "cpu": CostConstants("cpu", 1.4e9, 0.7e9, 160e-6, 2.0e6),
-    "cpu-native": CostConstants("cpu-native", 1.4e9, 3.0e9, 160e-6, 1.5e7),
+    "cpu": CostConstants("cpu", 1.4e9, 0.7e9, 160e-6, 2.0e6, 24e-9),
+    "cpu-native": CostConstants("cpu-native", 1.4e9, 3.0e9, 160e-6, 1.5e7, 24e-9),
     "gpu": CostConstants("gpu", 150e9, 1.5e12, 15e-6, 2e9),
     "tpu": CostConstants("tpu", 90e9, 8e11, 10e-6, 5e8),
 }
@@ -152,6 +162,7 @@ def modelled_seconds(
     row_bytes: float,
     collectives: int,
     sorted_ids: float = 0.0,
+    slots: float = 0.0,
 ) -> float:
     """Modelled time of one device's share of a step.
 
@@ -162,6 +173,7 @@ def modelled_seconds(
       row_bytes: bytes of one row as the device touches it (local hidden × itemsize).
       collectives: how many collectives run.
       sorted_ids: ids this device sorts or groups by key.
+      slots: slots its kernels walk, whether they read a row or not (`slot_s` each).
 
     Returns:
       Seconds.
@@ -171,6 +183,7 @@ def modelled_seconds(
         + rows * row_bytes / constants.memory_bytes_per_s
         + sorted_ids / constants.sort_ids_per_s
         + collectives * constants.latency_s
+        + slots * constants.slot_s
     )
 
 
@@ -209,7 +222,8 @@ def _load(backend: str) -> CostConstants:
     if not entry:
         return default
     fields = {f.name for f in dataclasses.fields(CostConstants)}
-    return CostConstants(**{k: v for k, v in entry.items() if k in fields})
+    # A file from before a constant existed keeps that constant's default.
+    return dataclasses.replace(default, **{k: v for k, v in entry.items() if k in fields})
 
 
 class _Cached:

@@ -121,6 +121,7 @@ def choose_exchange(
             constants, wire_bytes=wire, rows=(gathered + scattered) * share + extra_rows,
             row_bytes=row_bytes, collectives=base_count + len(collectives),
             sorted_ids=scattered * dedup_share if update else 0,
+            slots=gathered + scattered,  # every slot is walked, its row read or not
         )  # fmt: skip
         return ExchangeCandidate(name, wire, gathered, scattered, seconds * 1e3, why)
 

@@ -133,6 +133,11 @@ def format_collection_plan(plan: CollectionPlan) -> str:
         f"{format_bytes(plan.peak_bytes)} of {format_bytes(plan.memory_per_device)} per device",
         f"  ids: {plan.ids}; {plan.evaluations} layouts priced; "
         f"EmbeddingBagCollection(..., placements=plan, exchange={plan.exchange!r})",
+    ]
+    if plan.serving:
+        served = ", ".join(f"{t} {p}" for t, p in plan.precision) or "none"
+        lines.append(f"  serving: the lookups alone, no optimizer state; quantized: {served}")
+    lines += [
         "",
         f"  {'table':<16} {'rows x dim':>18}  {'placement':<11}{'rows by':<8}{'exchange':<9}"
         f"{'wire/step':>11}{'ms':>9}{'mem/device':>12}  why",

@@ -79,16 +79,19 @@ class IdStats:
         return {k: float(np.mean([x[k] for x in loads])) for k in ("block", "mod")}
 
     def shard_shares(
-        self, table: str, *, vocab_size: int, num_shards: int, row_sharding: str
-    ) -> np.ndarray:
+        self, table: str, *, vocab_size: int, num_shards: int, row_sharding: str,
+        rotation: int = 0,
+    ) -> np.ndarray:  # fmt: skip
         """Each row shard's share of a batch's distinct ids of `table` (sums to 1), averaged
-        over the sample; uniform when the sample holds none."""
+        over the sample; uniform when the sample holds none. Mod rows go to shard
+        `(id + rotation) % num_shards` (`TablePlacement.rotation`)."""
         per_shard = -(-vocab_size // num_shards)
         shares = []
         for ids in self.samples.get(table, ()):
             ids = ids[ids < vocab_size]
             if ids.size:
-                owner = ids % num_shards if row_sharding == "mod" else ids // per_shard
+                owner = ((ids + rotation) % num_shards if row_sharding == "mod"
+                         else ids // per_shard)  # fmt: skip
                 shares.append(np.bincount(owner, minlength=num_shards) / ids.size)
         if not shares:
             return np.full(num_shards, 1.0 / num_shards)

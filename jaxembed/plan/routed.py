@@ -327,7 +327,7 @@ def _priced(routed, operands, entries, sizes, dtype, out_kept_local, update, imp
         why = f"send each distinct id to its owner over {routed.axes}, capacity "
     seconds = cost.modelled_seconds(
         constants, wire_bytes=wire, rows=rows, row_bytes=row_bytes,
-        collectives=len(collectives), sorted_ids=sorted_ids,
+        collectives=len(collectives), sorted_ids=sorted_ids, slots=rows,
     )  # fmt: skip
     gathered = looked_up if routed.pooled_at_owner else looked_up + routed.slots
     candidate = ExchangeCandidate(
