@@ -16,13 +16,13 @@
 //    the 64-bit id, a few thousand places: in the L1/L2), the distinct ids radix-sorted by
 //    bucket and laid out in that order (id, bucket, multiplicity: read in sequence), then one
 //    pass over its buckets in ascending order: each bucket's keys, last_seen and count are
-//    prefetched 8 buckets ahead, its ids found (AVX-512: 8 keys a compare), its hits touched,
-//    and its candidates ranked (estimate descending, id) and given its free slots, then its
-//    victims, ordered exactly as remap._pick orders them but only as far as needed (the least
-//    one, the usual case, by masked AVX-512 minima over the bucket's 32 slots), while its
-//    lines are in the cache. With admission counting the misses' sketch adds (atomic when
-//    threads share the sketch, each add a few ids after its cells were prefetched) come first
-//    and a second pass decides, once every estimate is final;
+//    prefetched into the L2 32 buckets ahead and into the L1 8 ahead, its ids found (AVX-512:
+//    8 keys a compare), its hits touched, and its candidates ranked (estimate descending, id)
+//    and given its free slots, then its victims, ordered exactly as remap._pick orders them
+//    but only as far as needed (the least one, the usual case, by masked AVX-512 minima over
+//    the bucket's slots), while its lines are in the cache. With admission counting the
+//    misses' sketch adds (atomic when threads share the sketch, each add a few ids after its
+//    cells were prefetched) come first and a second pass decides, once every estimate is final;
 // 3. each chunk's results, laid out in the order XLA gives them (a slot's row read back from
 //    its part's rows, in slot order; the rows the parts assigned, in part order).
 // A bucket's decision reads and writes only its own rows and a part only its own buckets, so
@@ -33,14 +33,15 @@
 // keys, last_seen, count).
 //
 // Measured on 2 shared cores (benchmarks/dynamic/throughput.py: 2^26 slots at load factor 0.9,
-// batches of 65536 Zipf ids, ~32k of them distinct, ~32k buckets): the pass over the buckets
-// is bound by the memory system, 8 cache lines from 3 pages of the 1 GiB state a bucket, some
-// 85-95 ns a bucket a core on 4 KiB pages (about 16% less where the state is on transparent
-// huge pages: fewer page walks); its prefetches are worth ~20%, and fetching fewer of the
-// lines (only keys, or one line of each 128-byte pair) changes nothing measurable. It is ~70%
-// of the step's CPU time; phases 1-3 before it were serial (the previous kernel grouped the
-// distinct ids on the calling thread: ~30% of a step's wall time), and are now split over the
-// threads in parts small enough for the L1/L2.
+// batches of 65536 Zipf ids, ~32k of them distinct in ~31k buckets): the pass over the buckets
+// is ~2/3 of a step's CPU time and bound by the memory system, 8 cache lines from 3 pages of
+// the 1 GiB state a bucket. Prefetching each bucket into the L2 32 buckets ahead and into the
+// L1 8 ahead takes it to ~75-80 ns a bucket a core on 4 KiB pages, from ~90 with the L1 alone
+// (8, 16 or 32 ahead, or fewer of the lines, all alike: the L1's few outstanding misses were
+// the likely limit); then the page walks are (about 55-60 ns a bucket where the state happens
+// to be on transparent huge pages). Phases 1 and 3 and the grouping were serial before (on the
+// calling thread: ~30% of a step's wall time); split over the threads in parts small enough
+// for the L1/L2, they cost less CPU time too.
 //
 // Every shape and attribute is checked and a bad one returns an ffi::Error that names it.
 
