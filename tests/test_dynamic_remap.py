@@ -321,3 +321,31 @@ def test_native_twins_agree_on_edge_batches():
         assert_bitwise(got, want, f"batch {t}")
         state = want.state
     assert int(state.count[int(want.rows[0])]) == 4  # seen once, then three times: admitted at 4
+
+
+@pytest.mark.skipif(not NATIVE, reason="the native kernels are not built")
+@pytest.mark.parametrize("policy, admit_after", [("lfu", 2), ("lru", 1)])
+def test_the_native_step_gives_the_same_bits_on_any_number_of_threads(
+    policy, admit_after, monkeypatch
+):
+    """The native step splits its buckets into parts that threads claim one at a time; the
+    suite's 8 devices on 2 cores give it one thread, so here it runs on 1, 2, 3 and 5 (the
+    thread count is read at trace time) against XLA's step, bit for bit, on batches large
+    enough to give every thread parts (16 384 ids, a table evicting every step)."""
+    cfg = DynamicTableConfig(capacity=4096, policy=policy, admit_after=admit_after)
+    rng = np.random.default_rng(7)
+    pool = rng.integers(-(2**63), 2**63 - 1, size=12000, dtype=np.int64)
+    pool = pool[pool != -1]
+    batches = [K.keys_to_host(pool[rng.zipf(1.2, 16384) % len(pool)]) for _ in range(3)]
+    for threads in ("1", "2", "3", "5"):
+        monkeypatch.setenv("JAXEMBED_NUM_THREADS", threads)
+        step = jax.jit(remap_native.step, static_argnums=0)  # traced anew: the new count
+        state = remap.init_state(cfg)
+        want_state = remap.init_state(cfg)
+        for t, keys in enumerate(batches):
+            keys = jnp.asarray(keys)
+            want = STEP(cfg, want_state, keys, t)
+            got = step(cfg, state, keys, t)
+            assert_bitwise(got, want, f"{threads} threads, step {t}")
+            state, want_state = got.state, want.state
+    assert int(want.stats.evicted) > 0 or int(want.stats.refused) > 0
