@@ -133,11 +133,11 @@ def test_serving_plan_prints_its_precision(tmp_path, capsys):
     "kwargs, error",
     [
         (dict(precision="int3"), "unknown precision 'int3'"),
-        (dict(precision={"nope": "int4"}), "tables ['nope'] that are not in the collection"),
+        (dict(precision={"nope": "int4"}), "no table named ['nope'] in this collection"),
         (dict(precision="int4", serving=False), "quantized tables are inference-only"),
         (dict(serving=True, optimizer=jaxembed.optim.adagrad(0.1)), "a serving step updates"),
         (dict(precision={"item": "int4"}), "share stack"),  # item and user: one stack
-        (dict(precision=4), "precision must be None"),
+        (dict(precision=4), "precision must be a precision like 'int4'"),
     ],
 )
 def test_bad_serving_plans_say_why(kwargs, error):

@@ -550,7 +550,7 @@ def stack_exchange(exchange: Any, layout: CollectionLayout, stack: int) -> str:
         return chosen.removeprefix("table+")
     if chosen == "auto" and any(
         p.placement in ("rows", "table_rows") and p.row_sharding == "block" and len(p.shards) > 1
-        for name, p in layout.placements if p.stack == stack
+        for _, p in layout.placements if p.stack == stack
     ):  # fmt: skip
         return "rows"
     return "auto" if chosen == "table" else chosen

@@ -29,7 +29,7 @@ from jaxembed.kernels.arrays import is_explicit
 from jaxembed.kernels.tables import is_quantized
 from jaxembed.plan.collection import plan_collection
 from jaxembed.quant import dequantize, quantize
-from jaxembed.quant.format import check_precision
+from jaxembed.quant.format import table_precisions
 
 __all__ = [
     "auto_plan",
@@ -138,18 +138,10 @@ def unstack(layout: CollectionLayout, stacks: Mapping[int, jax.Array]) -> dict[s
 
 def _stack_precisions(layout: CollectionLayout, precision: Any) -> dict[int, str | None]:
     """Each stack's precision (None: kept float) from one precision or `{table: precision}`."""
-    names = {t for s in layout.stacks for t in s.tables}
-    if isinstance(precision, Mapping):
-        unknown = sorted(set(precision) - names)
-        if unknown:
-            raise ValueError(
-                f"quantized: no table named {unknown} in this collection (its tables: "
-                f"{sorted(names)})"
-            )
-        per_table = {t: None if precision.get(t) is None else check_precision(precision[t])
-                     for t in names}  # fmt: skip
-    else:
-        per_table = dict.fromkeys(names, check_precision(precision))
+    try:
+        per_table = table_precisions(precision, [t for s in layout.stacks for t in s.tables])
+    except ValueError as e:
+        raise ValueError(f"quantized: {e}") from None
     out = {}
     for s in layout.stacks:
         wanted = {per_table[t] for t in s.tables}

@@ -188,29 +188,14 @@ def parse_bytes(value: Any) -> int:
 
 
 def _check_precision(precision: Any, by_name: Mapping[str, TableConfig]) -> dict[str, str]:
-    """`{table: precision}` of the tables served quantized (float ones left out)."""
+    """`{table: precision}` of the tables served quantized (float ones left out), each dim
+    one its precision packs."""
     if precision is None:
         return {}
-    if isinstance(precision, str):
-        given: dict[str, Any] = dict.fromkeys(by_name, precision)
-    elif isinstance(precision, Mapping):
-        unknown = sorted(set(precision) - set(by_name))
-        if unknown:
-            raise ValueError(
-                f"precision names tables {unknown} that are not in the collection "
-                f"(its tables: {sorted(by_name)})"
-            )
-        given = dict(precision)
-    else:
-        raise TypeError(
-            f"precision must be None, a precision like 'int4' or {{table: precision}}, "
-            f"got {precision!r}"
-        )
     out = {}
-    for name, p in given.items():
+    for name, p in qformat.table_precisions(precision, by_name).items():
         if p is None:
             continue
-        qformat.check_precision(p)
         try:
             qformat.check_dim(by_name[name].dim, p)
         except ValueError as e:

@@ -55,6 +55,7 @@ __all__ = [
     "from_fbgemm_rows",
     "pack",
     "packed_bytes",
+    "table_precisions",
     "to_fbgemm_rows",
     "unpack",
     "values_per_byte",
@@ -65,6 +66,38 @@ PRECISIONS: dict[str, int] = {"int8": 8, "int4": 4, "int2": 2, "fp8": 8}
 
 FP8_EXPONENT_BITS = 4  # FBGEMM's FP8QuantizationConfig(4, 7), SparseType.FP8's default
 FP8_EXPONENT_BIAS = 7
+
+
+def table_precisions(precision: Any, tables: Any) -> dict[str, str | None]:
+    """Each of `tables`' precision (None: kept float) from one precision for all, or
+    `{table: precision}` (a table left out, or mapped to None, stays float).
+
+    Raises:
+      ValueError: an unknown precision, or a table that is not one of `tables` (named).
+      TypeError: `precision` neither a string nor a mapping.
+
+    Examples:
+      >>> table_precisions({"item": "int4"}, ["item", "os"])
+      {'item': 'int4', 'os': None}
+      >>> table_precisions({"itme": "int4"}, ["item", "os"])
+      Traceback (most recent call last):
+      ...
+      ValueError: no table named ['itme'] in this collection (its tables: ['item', 'os'])
+    """
+    names = list(tables)
+    if isinstance(precision, str):
+        return dict.fromkeys(names, check_precision(precision))
+    if not hasattr(precision, "keys"):
+        raise TypeError(
+            f"precision must be a precision like 'int4' or {{table: precision}}, got {precision!r}"
+        )
+    unknown = sorted(set(precision) - set(names))
+    if unknown:
+        raise ValueError(
+            f"no table named {unknown} in this collection (its tables: {sorted(names)})"
+        )
+    return {t: None if precision.get(t) is None else check_precision(precision[t])
+            for t in names}  # fmt: skip
 
 
 def check_precision(precision: Any) -> str:
