@@ -46,9 +46,12 @@ def test_bags_and_row_sparse_updates_match_the_reference_on_every_process():
     assert impls == ({"xla", "native"} if native.available() else {"xla"})
     # layouts x exchanges (rows: 4, routed: 2) x impls x processes
     assert len(set(oks)) == len(oks) == 6 * len(impls) * 2
-    # The table-wise collection: each process checked its shards, for each kernel impl.
-    tablewise = set(re.findall(r"^\[p(\d)\] TABLEWISE OK (\S+) process (\d)$", out, re.M))
-    assert tablewise == {(p, impl, p) for p in "01" for impl in impls}, out[-3000:]
+    # The collections (table-wise, mod rows routed and pooled at the source or the owner,
+    # block rows gathered): each process checked its shards, for each kernel impl.
+    found = set(re.findall(r"^\[p(\d)\] COLLECTION OK (\S+) (\S+) process (\d)$", out, re.M))
+    names = ("tablewise", "mod-routed", "mod-routed-owner-pooled", "block-gathered")
+    want = {(p, name, impl, p) for p in "01" for name in names for impl in impls}
+    assert found == want, out[-3000:]
 
 
 def test_a_killed_process_stops_the_others_within_60_seconds():

@@ -5,9 +5,11 @@ Bags across two processes: a sum-pooled `embedding_bag` and its row-sparse
 kernel implementation, on a (data=2, model=4) mesh whose `data` axis spans the processes.
 Each process checks the pooled output, the updated table and the optimizer state shards it
 holds against the float64 reference. Prints `OK <layout> <exchange> <impl> process <i>`.
-Then a collection of `"table"` tables, looked up and updated table-wise (each feature's ids
-sent to the one device that holds its table, over both processes' devices), checked the same
-way; prints `TABLEWISE OK <impl> process <i>`.
+Then a collection of four tables in each of `COLLECTIONS`' placements and exchanges
+(table-wise, each feature's ids sent to the one device that holds its table; mod rows routed
+and pooled at the source or at the owner; block rows gathered), over both processes' devices,
+checked the same way with the slots the counters say each device pooled; prints
+`COLLECTION OK <name> <impl> process <i>`.
 """
 
 import sys
@@ -18,6 +20,7 @@ initialize()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -93,13 +96,25 @@ def main() -> int:
                 assert new.sharding.is_equivalent_to(NamedSharding(mesh, w_spec), 2), new.sharding
                 print(f"OK {name} {exchange} {impl} process {jax.process_index()}", flush=True)
     for impl in impls:
-        tablewise(mesh, impl)
+        for name in COLLECTIONS:
+            collection(mesh, impl, name)
     return 0
 
 
-def tablewise(mesh, impl):
-    """Four `"table"` tables read by five pooled features on the 8 devices of two processes:
-    outputs, updated tables and accumulators against float64."""
+# name: (placement, row_sharding, exchange, routed_pool)
+COLLECTIONS = {
+    "tablewise": ("table", "block", "auto", "auto"),
+    "mod-routed": ("rows", "mod", "routed", "source"),
+    "mod-routed-owner-pooled": ("rows", "mod", "routed", "owner"),
+    "block-gathered": ("rows", "block", "auto", "auto"),
+}
+
+
+def collection(mesh, impl, name):
+    """Four tables read by five pooled features on the 8 devices of two processes, placed and
+    exchanged as `COLLECTIONS[name]` says (table-wise: each feature's ids sent to the one
+    device that holds its table; mod rows routed, pooled at the source or at the owner; block
+    rows gathered): outputs, updated tables and accumulators against float64."""
     from jaxembed.collection import (
         FeatureConfig,
         TableConfig,
@@ -108,9 +123,13 @@ def tablewise(mesh, impl):
         layout_collection,
     )  # fmt: skip
 
+    placement, row_sharding, exchange, routed_pool = COLLECTIONS[name]
     rng = np.random.default_rng(1)
     rows, hidden, batch, width = (40, 24, 9, 5), 8, 16, 3
-    tables = [TableConfig(f"t{i}", r, hidden, placement="table") for i, r in enumerate(rows)]
+    tables = [
+        TableConfig(f"t{i}", r, hidden, placement=placement, row_sharding=row_sharding)
+        for i, r in enumerate(rows)
+    ]
     features = [FeatureConfig(f"f{i}", f"t{i % 4}", max_ids=width) for i in range(5)]
     layout = layout_collection(tables, features, mesh)
     (stack,) = layout.stacks
@@ -123,21 +142,23 @@ def tablewise(mesh, impl):
         full[gid[t.name]] = host[t.name]
     ids = {f.name: rng.integers(-1, layout.table(f.table).vocab_size, (batch, width)).astype(
         np.int32) for f in features}  # fmt: skip
+    ids["f0"][:, 0] = 0  # every table's row 0 is hot: a duplicate in every bag of f0
     cts = {f.name: rng.normal(size=(batch, hidden)).astype(np.float32) for f in features}
     spec = P(("data", "model"))
     opt = jaxembed.optim.rowwise_adagrad(0.1)
+    kw = dict(impl=impl, exchange=exchange, routed_pool=routed_pool)
 
     def step(stacks, states, batch_, cts_):
-        out = collection_lookup(layout, stacks, batch_, impl=impl)
-        stacks, states = collection_update(layout, opt, stacks, states, batch_, cts_, impl=impl)
-        return out, stacks, states
+        out, stats = collection_lookup(layout, stacks, batch_, return_stats=True, **kw)
+        stacks, states = collection_update(layout, opt, stacks, states, batch_, cts_, **kw)
+        return out, stacks, states, stats
 
     stacks = {0: global_array(full, mesh, stack.spec)}
     with jax.set_mesh(mesh):
         states = {0: opt.init(stacks[0])}
         batch_ = {k: global_array(v, mesh, spec) for k, v in ids.items()}
         cts_ = {k: global_array(v, mesh, spec) for k, v in cts.items()}
-        out, new, state = jax.jit(step)(stacks, states, batch_, cts_)
+        out, new, state, stats = jax.jit(step)(stacks, states, batch_, cts_)
     want_table, want_acc = full.astype(np.float64), np.zeros(stack.shape[0])
     for t in tables:
         slots, grads = [], []
@@ -153,10 +174,28 @@ def tablewise(mesh, impl):
     for f in features:
         x = ids[f.name]
         ref = np.where((x >= 0)[..., None], host[f.table][np.maximum(x, 0)], 0).sum(1)
-        check_shards(out[f.name], ref, f"tablewise {impl} {f.name}")
-    check_shards(new[0], want_table, f"tablewise {impl} table")
-    check_shards(state[0].slots["accumulator"], want_acc, f"tablewise {impl} state")
-    print(f"TABLEWISE OK {impl} process {jax.process_index()}", flush=True)
+        check_shards(out[f.name], ref, f"{name} {impl} {f.name}")
+    check_shards(new[0], want_table, f"{name} {impl} table")
+    check_shards(state[0].slots["accumulator"], want_acc, f"{name} {impl} state")
+    assert new[0].sharding.is_equivalent_to(NamedSharding(mesh, stack.spec), 2), new[0].sharding
+    (st,) = stats.values()
+    # The slots each device walked, from the counters: table-wise, its owned features' slots
+    # (F_o of them per bag, padded alike on every device); routed, its own; gathered, all.
+    walked = np.asarray(multihost_utils.process_allgather(st.slots, tiled=True))
+    per_owner = max(sum(f.table == t.name for f in features) for t in tables)
+    want = {
+        "tablewise": batch * per_owner * width,
+        "block-gathered": batch * width * len(features),
+        "mod-routed": batch // 8 * width * len(features),
+    }.get(name)
+    if name == "mod-routed-owner-pooled":
+        # Each owner walks what it received (8 sources' capacities) and reads each slot that
+        # names a row once.
+        reads = np.asarray(multihost_utils.process_allgather(st.rows, tiled=True))
+        assert reads.sum() == sum(int((x >= 0).sum()) for x in ids.values()), (name, reads)
+        want = walked[0]
+    assert walked.tolist() == [want] * 8, (name, walked, want)
+    print(f"COLLECTION OK {name} {impl} process {jax.process_index()}", flush=True)
 
 
 if __name__ == "__main__":
