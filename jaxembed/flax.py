@@ -2,6 +2,8 @@
 
 * `Embed`: Linen's `Embed` with the lookup and the tied head sharded
   (`jaxembed.nn.linen_embed`);
+* `DynamicEmbed`: a dynamic table for raw 64-bit ids, with admission and eviction
+  (`jaxembed.nn.linen_dynamic`);
 * `EmbeddingBagCollection`: tables and the sparse features that read them
   (`jaxembed.nn.linen_collection`); `embed_tables`: an `nn.Embed` / `nnx.Embed` checkpoint's
   weights as the collection's tables (`load_tables`);
@@ -13,6 +15,7 @@ See `jaxembed.nnx` for the NNX modules.
 
 from jaxembed.nn.linen_collection import EmbeddingBagCollection as EmbeddingBagCollection
 from jaxembed.nn.linen_collection import embed_tables as embed_tables
+from jaxembed.nn.linen_dynamic import DynamicEmbed as DynamicEmbed
 from jaxembed.nn.linen_embed import Embed as Embed
 from jaxembed.training.linen import Grads as Grads
 from jaxembed.training.linen import dense_mask as dense_mask
@@ -21,6 +24,7 @@ from jaxembed.training.linen import sparse_update as sparse_update
 from jaxembed.training.linen import value_and_grad as value_and_grad
 
 __all__ = [
+    "DynamicEmbed",
     "Embed",
     "EmbeddingBagCollection",
     "Grads",

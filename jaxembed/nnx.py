@@ -2,6 +2,8 @@
 
 * `Embed`, `Table`: Flax NNX's `Embed` with the lookup and the tied head sharded
   (`jaxembed.nn.nnx_embed`);
+* `DynamicEmbed`, `RemapState`: a dynamic table for raw 64-bit ids, with admission and
+  eviction (`jaxembed.nn.nnx_dynamic`);
 * `EmbeddingBagCollection`: tables and the sparse features that read them
   (`jaxembed.nn.nnx_collection`); `embed_tables`: an `nnx.Embed` / `nn.Embed` checkpoint's
   weights as the collection's tables (`load_tables`);
@@ -13,6 +15,8 @@ See `jaxembed.flax` for the Linen modules.
 
 from jaxembed.nn.linen_collection import embed_tables as embed_tables
 from jaxembed.nn.nnx_collection import EmbeddingBagCollection as EmbeddingBagCollection
+from jaxembed.nn.nnx_dynamic import DynamicEmbed as DynamicEmbed
+from jaxembed.nn.nnx_dynamic import RemapState as RemapState
 from jaxembed.nn.nnx_embed import Embed as Embed
 from jaxembed.nn.nnx_embed import Table as Table
 from jaxembed.training.nnx import DENSE as DENSE
@@ -22,9 +26,11 @@ from jaxembed.training.nnx import value_and_grad as value_and_grad
 
 __all__ = [
     "DENSE",
+    "DynamicEmbed",
     "Embed",
     "EmbeddingBagCollection",
     "Grads",
+    "RemapState",
     "SparseOptimizer",
     "Table",
     "embed_tables",

@@ -87,3 +87,27 @@ def test_the_collection_loads_no_kernel_and_no_flax_module():
         timeout=120,
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_warnings_skip_flax_frames_whatever_was_imported_first():
+    """The kernels' warnings point past jaxembed, jax, flax and optax frames at the user's
+    line; which of those a process imported before the kernels must not change that (a test
+    order that loaded the kernels before flax once attributed warnings to flax's module.py)."""
+    script = textwrap.dedent(
+        """
+        import sys
+        from jaxembed.kernels import arrays
+        assert "flax" not in sys.modules
+        import flax, optax
+        dirs = arrays._library_dirs()
+        for m in (flax, optax):
+            assert any(m.__file__.startswith(d) for d in dirs), (m.__file__, dirs)
+        print("ok")
+        """
+    )
+    path = os.pathsep.join([str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    result = subprocess.run(
+        [sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": path},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -16,6 +16,8 @@ Each assumption warns once per process and layout (`warn_once`).
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 import os
 import sys
@@ -287,11 +289,16 @@ def assumed_ids_spec(shape: tuple[int, ...], mesh: Any, table_spec: P, hint: P |
     return P(*(None if not e else e[0] if len(e) == 1 else e for e in entries))
 
 
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(m.__file__) + os.sep
-    for m in (sys.modules.get(n) for n in ("jaxembed", "jax", "flax", "optax"))
-    if m is not None and getattr(m, "__file__", None)
-)
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    """The folders of jaxembed, jax, flax and optax, imported or not (found, not imported:
+    which of them a process imported before this module must not change the answer)."""
+    dirs = []
+    for name in ("jaxembed", "jax", "flax", "optax"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            dirs.append(os.path.dirname(spec.origin) + os.sep)
+    return tuple(dirs)
 
 
 def _caller() -> tuple[str, int]:
@@ -301,7 +308,7 @@ def _caller() -> tuple[str, int]:
     while frame is not None:
         name = frame.f_code.co_filename
         if (
-            not name.startswith(_LIBRARY_DIRS)
+            not name.startswith(_library_dirs())
             and "/contextlib.py" not in name
             and ("/functools.py" not in name)
         ):

@@ -349,19 +349,21 @@ def lookup(
     function: str = "embedding",
     table_advice: str | None = None,
     ids_advice: str | None = None,
+    check_ids: bool = True,
 ) -> Any:
     """`embedding` with the hooks the Flax modules use (internal).
 
     `x_hint` is a layout for the ids that is used where it divides (a module's
     `inputs_sharding`, also applied to a `[1, 1]` decoding batch); `function` and
-    `table_advice` word the warnings for the caller's own API.
+    `table_advice` word the warnings for the caller's own API; `check_ids=False` lets
+    concrete ids out of range read zeros, as traced ones do (a dynamic table's rows).
     """
     options = LookupOptions(
         padding_idx=padding_idx, vocab_size=vocab_size, mesh=mesh, x_spec=x_spec,
         weight_spec=weight_spec, out_spec=out_spec, exchange=exchange,
         row_sharding=row_sharding, capacity=capacity, capacity_factor=capacity_factor,
         return_stats=return_stats, impl=impl, x_hint=x_hint, function=function,
-        table_advice=table_advice, ids_advice=ids_advice,
+        table_advice=table_advice, ids_advice=ids_advice, check_ids=check_ids,
     )  # fmt: skip
     return run_lookup(x, weight, options)
 
@@ -379,7 +381,8 @@ def run_lookup(x: jax.Array, weight: jax.Array, options: LookupOptions) -> Any:
     if runs_on_one_device(mesh, options.x_spec, options.weight_spec, options.out_spec):
         check_choices(options.exchange, options.routed_pool, pools=False, is_max=False)
         validate_scalars(plan_vocab, options.padding_idx, weight.shape[0])
-        check_ids_eagerly(x, plan_vocab)
+        if options.check_ids:
+            check_ids_eagerly(x, plan_vocab)
         given = x
         x, weight = whole_on_one_device(x), whole_table(weight)
         out = dense_lookup(x, weight, plan_vocab, options.padding_idx)
@@ -397,7 +400,8 @@ def run_lookup(x: jax.Array, weight: jax.Array, options: LookupOptions) -> Any:
         out_spec=options.out_spec, dtype=weight.dtype, ids_dtype=x.dtype,
         exchange=options.exchange, **options.plan_kwargs(),
     )  # fmt: skip
-    check_ids_eagerly(x, plan.vocab_size)
+    if options.check_ids:
+        check_ids_eagerly(x, plan.vocab_size)
     if x.size == 0:  # no id: nothing to look up, and no collective lowers over zero slots
         out = zeros_like_output(
             plan.out_shape, weight.dtype, mesh, plan.out_spec, layout_array(weight),

@@ -193,7 +193,7 @@ def _find(config: DynamicTableConfig, state: DynamicState, flat: jax.Array, buck
 
 
 def lookup(
-    config: DynamicTableConfig, state: DynamicState, ids: Any
+    config: DynamicTableConfig, state: DynamicState, ids: Any, *, check: bool = True
 ) -> tuple[jax.Array, jax.Array]:
     """Each id's row, and whether it has one; reads the state, changes nothing.
 
@@ -202,6 +202,7 @@ def lookup(
       state: its `DynamicState`.
       ids: the ids, any batch shape, in a form `keys.as_keys` takes (keys `uint32[*B, 2]`
         under `jit` with x64 off).
+      check: raise for concrete ids equal to `EMPTY_ID` (True), or read them as padding.
 
     Returns:
       `(rows, found)`: int32[*B] (capacity where an id has no row) and bool[*B]. The reserved
@@ -212,7 +213,7 @@ def lookup(
         not fit the config (`check_state`).
     """
     check_state(config, state)
-    keys = as_keys(ids)
+    keys = as_keys(ids, check=check)  # check=False: the caller checked the ids
     batch = keys.shape[:-1]
     flat = keys.reshape(-1, 2)  # uint32[M, 2]
     if flat.shape[0] == 0:
@@ -309,7 +310,14 @@ def _pick(config: DynamicTableConfig, held, last, count, t, rank):
     return pick, n_avail, occupied
 
 
-def step(config: DynamicTableConfig, state: DynamicState, ids: Any, step_index: Any) -> StepResult:
+def step(
+    config: DynamicTableConfig,
+    state: DynamicState,
+    ids: Any,
+    step_index: Any,
+    *,
+    check: bool = True,
+) -> StepResult:
     """One training step's remap: count, admit, evict and touch (`reference` states it).
 
     Jit it with the config static and the state donated:
@@ -323,6 +331,7 @@ def step(config: DynamicTableConfig, state: DynamicState, ids: Any, step_index: 
         `jit` with x64 off). The reserved id `EMPTY_ID` is counted in `stats.reserved` only.
       step_index: t, an int32 scalar: the training step, non-decreasing from call to call.
         Several calls with one t (features sharing a table) never take each other's rows.
+      check: raise for concrete ids equal to `EMPTY_ID` (True), or take them as padding.
 
     Returns:
       A `StepResult`: the new state, each id's row and `found` after the step, the stats, and
@@ -335,7 +344,7 @@ def step(config: DynamicTableConfig, state: DynamicState, ids: Any, step_index: 
     """
     check_state(config, state)
     t = check_step_index(step_index)
-    keys = as_keys(ids)
+    keys = as_keys(ids, check=check)  # check=False: the caller checked the ids
     batch = keys.shape[:-1]
     flat = keys.reshape(-1, 2)  # uint32[M, 2]
     m, cap, s, nb = flat.shape[0], config.capacity, config.bucket_size, config.num_buckets

@@ -47,7 +47,7 @@ available = native.available
 
 
 def lookup(
-    config: DynamicTableConfig, state: DynamicState, ids: Any
+    config: DynamicTableConfig, state: DynamicState, ids: Any, *, check: bool = True
 ) -> tuple[jax.Array, jax.Array]:
     """`jaxembed.kernels.remap.lookup` (same arguments, same results, bitwise) in C++: each
     id's row (capacity where none) and whether it has one.
@@ -57,7 +57,7 @@ def lookup(
     """
     check_state(config, state)
     threads = native._require("remap_lookup")
-    keys = as_keys(ids)
+    keys = as_keys(ids, check=check)  # check=False: the caller checked the ids
     batch = keys.shape[:-1]
     flat = keys.reshape(-1, 2)  # uint32[M, 2]
     m = flat.shape[0]
@@ -68,7 +68,14 @@ def lookup(
     return rows.reshape(batch), found.reshape(batch)
 
 
-def step(config: DynamicTableConfig, state: DynamicState, ids: Any, step_index: Any) -> StepResult:
+def step(
+    config: DynamicTableConfig,
+    state: DynamicState,
+    ids: Any,
+    step_index: Any,
+    *,
+    check: bool = True,
+) -> StepResult:
     """`jaxembed.kernels.remap.step` (same arguments, same results, bitwise) in C++.
 
     The five state arrays are aliased to the new state's: under `jax.jit` with the state
@@ -80,7 +87,7 @@ def step(config: DynamicTableConfig, state: DynamicState, ids: Any, step_index: 
     check_state(config, state)
     t = check_step_index(step_index)
     threads = native._require("remap_step")
-    keys = as_keys(ids)
+    keys = as_keys(ids, check=check)  # check=False: the caller checked the ids
     batch = keys.shape[:-1]
     flat = keys.reshape(-1, 2)  # uint32[M, 2]
     m = flat.shape[0]

@@ -40,7 +40,7 @@ from jaxembed.nn.common import (
 __all__ = ["Embed"]
 
 
-def _box_layout(box: Any) -> tuple[Any, P | None]:
+def box_layout(box: Any) -> tuple[Any, P | None]:
     """The mesh and `PartitionSpec` a Linen parameter box carries (None, None: no box)."""
     if isinstance(box, nn.LogicallyPartitioned):
         return current_mesh(box.mesh), nn.logical_to_mesh_axes(box.names, box.rules)
@@ -173,7 +173,7 @@ class Embed(nn.Module):
         at initialization finds it there.
         """
         value = self.embedding_init(key, shape, dtype)
-        mesh, spec = _box_layout(value)
+        mesh, spec = box_layout(value)
         if isinstance(value, nn.LogicallyPartitioned) and any(spec or ()):
             if names_mesh_axes(spec, mesh):
                 _RESOLVED_AT_INIT[_names(value)] = spec
@@ -199,7 +199,7 @@ class Embed(nn.Module):
             box = jax.eval_shape(
                 lambda key: self.embedding_init(key, shape, self.param_dtype), jax.random.key(0)
             )
-        mesh, spec = _box_layout(box)
+        mesh, spec = box_layout(box)
         if isinstance(box, nn.LogicallyPartitioned) and not names_mesh_axes(spec, mesh):
             spec = None
         if isinstance(box, nn.LogicallyPartitioned) and not any(spec or ()):

@@ -52,7 +52,7 @@ __all__ = ["Embed", "Table"]
 # --- layouts from NNX metadata -------------------------------------------------------------
 
 
-def _metadata_spec(metadata: Mapping[str, Any]) -> P | None:
+def metadata_spec(metadata: Mapping[str, Any]) -> P | None:
     """The table's `PartitionSpec` from NNX metadata (`nnx.spmd.get_var_pspec`'s rules)."""
     sharding = metadata.get("out_sharding")
     if not sharding:
@@ -66,7 +66,7 @@ def _metadata_spec(metadata: Mapping[str, Any]) -> P | None:
     return P(*sharding)
 
 
-def _metadata_mesh(metadata: Mapping[str, Any]) -> Any:
+def metadata_mesh(metadata: Mapping[str, Any]) -> Any:
     sharding = metadata.get("out_sharding")
     if isinstance(sharding, NamedSharding):
         return sharding.mesh
@@ -179,8 +179,8 @@ class Embed(nnx.Module):
         metadata = dict(embedding_metadata)
         if isinstance(value, VariableMetadata):
             metadata = {**metadata, **value.metadata}  # the initializer's wins, as in Flax
-        spec = _metadata_spec(metadata)
-        mesh = current_mesh(_metadata_mesh(metadata))
+        spec = metadata_spec(metadata)
+        mesh = current_mesh(metadata_mesh(metadata))
         # The layout as the program states it now (logical names through the rules active at
         # construction), kept for calls made where those rules are no longer active.
         self.table_spec_at_init = spec if names_mesh_axes(spec, mesh) else None
@@ -208,8 +208,8 @@ class Embed(nnx.Module):
         the table's own layout is read where it can be (a concrete array, an Explicit mesh).
         """
         metadata = self.embedding.get_metadata()
-        mesh = current_mesh(_metadata_mesh(metadata))
-        spec = _metadata_spec(metadata)
+        mesh = current_mesh(metadata_mesh(metadata))
+        spec = metadata_spec(metadata)
         if not names_mesh_axes(spec, mesh) and names_mesh_axes(self.table_spec_at_init, mesh):
             spec = self.table_spec_at_init  # logical names, resolved by the rules at __init__
         check_mesh_names(spec, mesh, "the table's sharding")

@@ -85,7 +85,17 @@ from jaxembed.optim.row_reset import (
 )
 from jaxembed.optim.sparse import RowSparseOptimizer
 
-__all__ = ["IMPLS", "DynamicTable", "check_dynamic_table", "init_table", "prepare", "rows_for"]
+__all__ = [
+    "IMPLS",
+    "DynamicTable",
+    "check_dynamic_table",
+    "init_table",
+    "prepare",
+    "remap_table",
+    "reset_optimizer_rows",
+    "reset_table_rows",
+    "rows_for",
+]
 
 IMPLS = ("auto", "xla", "native")
 
@@ -227,9 +237,9 @@ def _body(s: _Static, state, keys, t, key, table, leaves, fresh):
     # state, keys u32[*B, 2], t, key, fresh (one row per per-row leaf): replicated
     # table: f[V/n, H/m]   leaves: the optimizer state's per-row leaves, [V/n, ...] each
     """
-    res = s.engine.step(s.config, state, keys, t)  # rows i32[*B], reset_rows i32[M]
+    res = s.engine.step(s.config, state, keys, t, check=False)  # rows i32[*B], reset_rows i32[M]
     table, new_leaves = _reset(s, res.reset_rows, key, t, table, tuple(leaves), fresh)
-    return res.state, res.rows, res.stats, table, new_leaves
+    return res.state, res.rows, res.stats, table, new_leaves, res.reset_rows
 
 
 def _reset_chunk(m: int) -> int:
@@ -242,7 +252,8 @@ def _reset(s: _Static, reset: jax.Array, key, t, table, leaves, fresh):
     then `capacity`) set to their initial values, `_reset_chunk(M)` rows a pass: a step
     resets far fewer rows than it has id slots once the table is warm, so it draws the
     initializer for those alone (a row's value depends on the key, the step and the row
-    only, so the passes give what one pass over all M would)."""
+    only, so the passes give what one pass over all M would). `table=None`: the optimizer
+    state's leaves alone (`reset_optimizer_rows`)."""
     m = reset.shape[0]
     if m == 0:  # an empty batch resets nothing
         return table, leaves
@@ -253,8 +264,9 @@ def _reset(s: _Static, reset: jax.Array, key, t, table, leaves, fresh):
     def one_pass(i, carry):
         table, leaves = carry
         rows = jax.lax.dynamic_slice(padded, (i * k,), (k,))  # i32[k]
-        values = initial_rows(s.initializer, key, t, rows, s.hidden, table.dtype)  # f[k, H]
-        table = reset_rows(table, s.layout.table_spec, rows, values)
+        if table is not None:
+            values = initial_rows(s.initializer, key, t, rows, s.hidden, table.dtype)  # f[k, H]
+            table = reset_rows(table, s.layout.table_spec, rows, values)
         leaves = tuple(
             reset_rows(leaf, spec, rows, jnp.broadcast_to(f, (k, *f.shape[1:])))
             for leaf, spec, f in zip(leaves, s.layout.leaf_specs, fresh, strict=True)
@@ -271,10 +283,10 @@ def _run(s: _Static, state, keys, t, key, table, leaves, fresh):
         one = [whole_on_one_device(a) for a in (table, *leaves)]
         state = jax.tree.map(whole_on_one_device, state)
         out = _body(s, state, whole_on_one_device(keys), t, key, one[0], tuple(one[1:]), fresh)
-        new_state, rows, stats, new_table, new_leaves = out
+        new_state, rows, stats, new_table, new_leaves, reset = out
         new_table = typed_like(new_table, table)
         new_leaves = tuple(typed_like(n, o) for n, o in zip(new_leaves, leaves, strict=True))
-        return new_state, rows, stats, new_table, new_leaves
+        return new_state, rows, stats, new_table, new_leaves, reset
     mesh, rep = lay.mesh, P()
     state = jax.tree.map(lambda a: move(a, mesh, rep), state)
     ids_spec = _keys_spec(keys, mesh)
@@ -286,17 +298,52 @@ def _run(s: _Static, state, keys, t, key, table, leaves, fresh):
         lambda *a: _body(s, *a),
         mesh=mesh,
         in_specs=(state_specs, rep, rep, rep, lay.table_spec, lay.leaf_specs, (rep,) * len(fresh)),
-        out_specs=(state_specs, rep, stats_specs, lay.table_spec, lay.leaf_specs),
+        out_specs=(state_specs, rep, stats_specs, lay.table_spec, lay.leaf_specs, rep),
         check_vma=False,  # the native remap is a custom call, typed by no VMA rule
     )
-    new_state, rows, stats, new_table, new_leaves = step(
+    new_state, rows, stats, new_table, new_leaves, reset = step(
         state, keys, t, key, table, tuple(leaves), fresh
     )
     rows = move(rows, mesh, P(*tuple(ids_spec)[:-1])) if tuple(ids_spec) else rows
-    return new_state, rows, stats, new_table, new_leaves
+    return new_state, rows, stats, new_table, new_leaves, reset
 
 
 _run_jit = jax.jit(_run, static_argnums=0)
+
+
+def _run_reset(s: _Static, reset, key, t, table, leaves, fresh):
+    """The rows in `reset` set afresh (the table's too, with `table` given), on one device or
+    as a `shard_map`. Returns `(table, leaves)`.
+
+    # reset i32[M], key, t, fresh: replicated
+    # table: f[V/n, H/m] or None   leaves: the per-row leaves, [V/n, ...] each
+    """
+    lay = s.layout
+    if lay.mesh is None:
+        one = tuple(whole_on_one_device(a) for a in leaves)
+        whole = None if table is None else whole_on_one_device(table)
+        new_table, new = _reset(s, whole_on_one_device(reset), key, t, whole, one, fresh)
+        new = tuple(typed_like(n, o) for n, o in zip(new, leaves, strict=True))
+        return (None if table is None else typed_like(new_table, table)), new
+    mesh, rep = lay.mesh, P()
+    reset, fresh = move(reset, mesh, rep), tuple(move(f, mesh, rep) for f in fresh)
+    if table is None:
+        body = lambda r, ls, fs: _reset(s, r, None, None, None, tuple(ls), fs)[1]
+        run = jax.shard_map(
+            body, mesh=mesh, in_specs=(rep, lay.leaf_specs, (rep,) * len(fresh)),
+            out_specs=lay.leaf_specs, check_vma=False,
+        )  # fmt: skip
+        return None, run(reset, tuple(leaves), fresh)
+    body = lambda r, k, tt, tb, ls, fs: _reset(s, r, k, tt, tb, tuple(ls), fs)
+    run = jax.shard_map(
+        body, mesh=mesh,
+        in_specs=(rep, rep, rep, lay.table_spec, lay.leaf_specs, (rep,) * len(fresh)),
+        out_specs=(lay.table_spec, lay.leaf_specs), check_vma=False,
+    )  # fmt: skip
+    return run(reset, key, t, table, tuple(leaves), fresh)
+
+
+_run_reset_jit = jax.jit(_run_reset, static_argnums=0)
 
 
 def _same_sharding(new: Any, old: Any) -> Any:
@@ -380,6 +427,17 @@ def prepare(
       >>> rows.tolist(), int(stats.admitted), int(stats.pending)   # 3 seen twice: admitted
       ([0, 0, 8], 1, 1)
     """
+    return _prepare(
+        config, dyn_table, opt_state, ids, step_index, initializer=initializer, key=key,
+        optimizer=optimizer, impl=impl, mesh=mesh, weight_spec=weight_spec, check_ids=check_ids,
+    )[:4]  # fmt: skip
+
+
+def _prepare(
+    config, dyn_table, opt_state, ids, step_index, *, initializer, key, optimizer, impl, mesh,
+    weight_spec, check_ids,
+):  # fmt: skip
+    """`prepare`, also returning the step's reset rows (`remap_table`)."""
     engine = _check_impl(impl)
     check_dynamic_table(config, dyn_table)
     table = dyn_table.table
@@ -394,14 +452,170 @@ def prepare(
     static = _Static(config, engine, initializer, hidden, layout)
     args = (dyn_table.state, keys, t, key, table, leaves, split.fresh)
     if eager(dyn_table, leaves, keys, key):  # one program, not a shard_map op by op
-        new_state, rows, stats, new_table, new_leaves = _run_jit(static, *args)
+        new_state, rows, stats, new_table, new_leaves, reset = _run_jit(static, *args)
         new_state = jax.tree.map(_same_sharding, new_state, dyn_table.state)
         new_table = _same_sharding(new_table, table)
         new_leaves = tuple(map(_same_sharding, new_leaves, leaves))
     else:
-        new_state, rows, stats, new_table, new_leaves = _run(static, *args)
+        new_state, rows, stats, new_table, new_leaves, reset = _run(static, *args)
     opt_state = split.rebuild(new_leaves)  # None without an optimizer
-    return rows, DynamicTable(new_table, new_state), opt_state, stats
+    return rows, DynamicTable(new_table, new_state), opt_state, stats, reset
+
+
+def remap_table(
+    config: DynamicTableConfig,
+    dyn_table: DynamicTable,
+    ids: Any,
+    step_index: Any,
+    *,
+    initializer: Any,
+    key: Any,
+    impl: str = "auto",
+    mesh: Any = None,
+    weight_spec: P | None = None,
+    check_ids: bool = True,
+) -> tuple[jax.Array, DynamicTable, jax.Array, StepStats]:
+    """`prepare` without the optimizer state: the rows it resets come back to reset it later.
+
+    For a training loop where the optimizer state is not at hand when the ids are remapped
+    (the Flax modules: the table's forward remaps, the optimizer's update resets its state).
+    `remap_table` then `reset_optimizer_rows` on its `reset_rows` give what `prepare` gives.
+
+    Args:
+      config, dyn_table, ids, step_index, initializer, key, impl, mesh, weight_spec,
+        check_ids: as `prepare`'s.
+
+    Returns:
+      `(rows, dyn_table, reset_rows, stats)`: as `prepare`'s, with `reset_rows` int32 `[M]`
+      (M: the batch's id slots), replicated: the rows the step (re)assigned, then `capacity`.
+
+    Examples:
+      >>> import jax, numpy as np
+      >>> import jaxembed
+      >>> from jaxembed.dynamic import DynamicTableConfig, as_keys
+      >>> cfg = DynamicTableConfig(capacity=8, bucket_size=4)
+      >>> opt = jaxembed.optim.adagrad(0.1, initial_accumulator_value=0.5)
+      >>> dyn = init_table(cfg, 2)
+      >>> acc = opt.init(dyn.table)
+      >>> rows, dyn, reset, _ = remap_table(cfg, dyn, as_keys(np.array([9, 4], np.int64)), 0,
+      ...     initializer=jax.nn.initializers.ones, key=jax.random.key(0))
+      >>> sorted(reset.tolist()) == sorted(rows.tolist())  # both ids got a row this step
+      True
+      >>> acc = reset_optimizer_rows(cfg, dyn.table, opt, acc, reset)
+    """
+    rows, dyn_table, _, stats, reset = _prepare(
+        config, dyn_table, None, ids, step_index, initializer=initializer, key=key,
+        optimizer=None, impl=impl, mesh=mesh, weight_spec=weight_spec, check_ids=check_ids,
+    )  # fmt: skip
+    return rows, dyn_table, reset, stats
+
+
+def _check_reset_rows(reset_rows: Any) -> jax.Array:
+    dtype = getattr(reset_rows, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(
+            f"reset_rows must be the int32 reset rows remap_table returned, got "
+            f"{type(reset_rows).__name__} of dtype {dtype}"
+        )
+    if reset_rows.ndim != 1:
+        raise ValueError(
+            f"reset_rows must be 1-D (int32[M], as remap_table returns it), got shape "
+            f"{tuple(reset_rows.shape)}"
+        )
+    return reset_rows.astype(jnp.int32)
+
+
+def _reset_after(config, table, optimizer, opt_state, reset_rows, step_index, key, initializer,
+                 mesh, weight_spec, with_table):  # fmt: skip
+    check_table(table)
+    hidden = table.shape[1]
+    reset_rows = _check_reset_rows(reset_rows)
+    t = None
+    if with_table:
+        t = remap.check_step_index(step_index)
+        check_key(key)
+        check_initializer(initializer, key, hidden, table.dtype)
+    split = row_leaves(optimizer, opt_state, config.capacity, hidden, table.dtype)
+    if not split.rows and not with_table:
+        return table, opt_state
+    layout = _layout(config, table, split.rows, mesh, weight_spec)
+    static = _Static(config, None, initializer if with_table else None, hidden, layout)
+    args = (reset_rows, key, t, table if with_table else None, split.rows, split.fresh)
+    if eager(table, split.rows, reset_rows):
+        new_table, new = _run_reset_jit(static, *args)
+        new = tuple(map(_same_sharding, new, split.rows))
+        new_table = None if new_table is None else _same_sharding(new_table, table)
+    else:
+        new_table, new = _run_reset(static, *args)
+    return (new_table if with_table else table), split.rebuild(new)
+
+
+def reset_optimizer_rows(
+    config: DynamicTableConfig,
+    table: jax.Array,
+    optimizer: RowSparseOptimizer,
+    opt_state: Any,
+    reset_rows: jax.Array,
+    *,
+    mesh: Any = None,
+    weight_spec: P | None = None,
+) -> Any:
+    """The optimizer state with the rows of `reset_rows` back at `optimizer.init`'s values.
+
+    Args:
+      config: the table's `DynamicTableConfig`.
+      table: the dynamic table's rows `[capacity, H]` (its width, dtype and layout).
+      optimizer: the `RowSparseOptimizer` of `opt_state`.
+      opt_state: `optimizer.init(table)`, laid out like the table.
+      reset_rows: int32 `[M]` as `remap_table` returns it: the reset rows first, then
+        `capacity` (padding, dropped).
+      mesh, weight_spec: as `prepare`'s.
+
+    Returns:
+      The state, every row not in `reset_rows` bitwise as it was (and `count` too).
+
+    Raises:
+      TypeError: an optimizer that is not row-sparse, reset rows that are not integers.
+      ValueError: a state of another optimizer or table, reset rows that are not 1-D.
+    """
+    if optimizer is None:
+        raise TypeError(
+            "reset_optimizer_rows: optimizer must be the RowSparseOptimizer of opt_state"
+        )
+    return _reset_after(config, table, optimizer, opt_state, reset_rows, None, None, None,
+                        mesh, weight_spec, with_table=False)[1]  # fmt: skip
+
+
+def reset_table_rows(
+    config: DynamicTableConfig,
+    table: jax.Array,
+    optimizer: RowSparseOptimizer | None,
+    opt_state: Any,
+    reset_rows: jax.Array,
+    step_index: Any,
+    *,
+    initializer: Any,
+    key: Any,
+    mesh: Any = None,
+    weight_spec: P | None = None,
+) -> tuple[jax.Array, Any]:
+    """The table's and the optimizer state's rows of `reset_rows` set afresh, as the step
+    `step_index` of `remap_table` (or `prepare`) set them: the same bits.
+
+    For a training loop where the remap's reset of the table cannot be kept (Linen's `apply`
+    does not write its `params`): `jaxembed.flax.sparse_update` resets the stored table's rows
+    with the step's reset rows, key and step before the row-sparse update.
+
+    Args:
+      config, table, optimizer, opt_state, reset_rows, mesh, weight_spec: as
+        `reset_optimizer_rows`'s (`optimizer` and `opt_state` may be None).
+      step_index, initializer, key: the step's, as given to `remap_table`.
+
+    Returns:
+      `(table, opt_state)`.
+    """
+    return _reset_after(config, table, optimizer, opt_state, reset_rows, step_index, key,
+                        initializer, mesh, weight_spec, with_table=True)  # fmt: skip
 
 
 # --- construction and serving ----------------------------------------------------------------
@@ -469,7 +683,7 @@ def init_table(
 
 def rows_for(
     config: DynamicTableConfig, state: DynamicState | DynamicTable, ids: Any, *,
-    impl: str = "auto", mesh: Any = None,
+    impl: str = "auto", mesh: Any = None, check_ids: bool = True,
 ) -> jax.Array:  # fmt: skip
     """Each id's row for serving and evaluation: read-only, no admission, no counting.
 
@@ -481,6 +695,8 @@ def rows_for(
         `"native"`, or `"auto"` (native where built).
       mesh: the mesh; default `jax.set_mesh`'s, else the state's. Each device looks up the
         ids it holds (the state is replicated).
+      check_ids: raise for concrete ids equal to `EMPTY_ID` (True), or take them as padding
+        (False), as traced ids always are.
 
     Returns:
       int32 `[*B]`: each id's row, `capacity` for an id without one (it reads zeros).
@@ -497,17 +713,18 @@ def rows_for(
     if isinstance(state, DynamicTable):
         state = state.state
     remap.check_state(config, state)
-    keys = as_keys(ids)
+    keys = as_keys(ids, check=check_ids)
     mesh = resolve_mesh(mesh, state.keys, keys)
     if mesh is None or mesh.size == 1:
-        return engine.lookup(config, jax.tree.map(whole_on_one_device, state),
-                             whole_on_one_device(keys))[0]  # fmt: skip
+        one = lambda st, k: engine.lookup(config, st, k, check=False)[0]
+        state, keys = jax.tree.map(whole_on_one_device, state), whole_on_one_device(keys)
+        return (jax.jit(one) if eager(state, keys) else one)(state, keys)
     spec, rep = _keys_spec(keys, mesh), P()
     state = jax.tree.map(lambda a: move(a, mesh, rep), state)
     keys = move(keys, mesh, spec)
     out = P(*tuple(spec)[:-1])
     look = jax.shard_map(
-        lambda st, k: engine.lookup(config, st, k)[0],
+        lambda st, k: engine.lookup(config, st, k, check=False)[0],
         mesh=mesh,
         in_specs=(DynamicState(*([rep] * len(DynamicState._fields))), spec),
         out_specs=out,

@@ -36,6 +36,7 @@ from jaxembed.collection.checks import check_out_grads, check_states
 from jaxembed.kernels.collection import collection_update
 from jaxembed.kernels.update import after
 from jaxembed.nn.linen_collection import find_params, replace_params
+from jaxembed.optim.dynamic import reset_table_rows
 from jaxembed.training.common import Grads, argnums_tuple
 
 __all__ = [
@@ -135,12 +136,17 @@ def value_and_grad(
     return wrapped
 
 
-_MODULES = {"embed": "jaxembed.flax.Embed", "collection": "jaxembed.flax.EmbeddingBagCollection"}
+_MODULES = {
+    "embed": "jaxembed.flax.Embed",
+    "dynamic": "jaxembed.flax.DynamicEmbed",
+    "collection": "jaxembed.flax.EmbeddingBagCollection",
+}
+_ONE_TABLE = ("embed", "dynamic")  # modules whose one table is the parameter `embedding`
 
 
 def _names(record: tape_mod.Record) -> list[str]:
     """The parameters of a lookup's module that are its tables."""
-    if record.kind == "embed":
+    if record.kind in _ONE_TABLE:
         return ["embedding"]
     return [s.name for s in record.static["layout"].stacks]
 
@@ -159,7 +165,7 @@ def _tables(record: tape_mod.Record, params: Any, what: str) -> dict[Any, jax.Ar
     node = params
     for key in _keys(record, params, what):
         node = node[key]
-    if record.kind == "embed":
+    if record.kind in _ONE_TABLE:
         return {"embedding": _unbox(node["embedding"])}
     layout = record.static["layout"]
     return {s.index: _unbox(node[s.name]) for s in layout.stacks}
@@ -197,7 +203,7 @@ def init_sparse(optimizer: Any, fn: Callable[..., Any], params: Any, *args, **kw
     states = {}
     for record in _discover(fn, params, *args, **kwargs).records:
         tables = _tables(record, params, what)
-        if record.kind == "embed":
+        if record.kind in _ONE_TABLE:
             states[record.key] = optimizer.init(
                 tables["embedding"], mesh=record.static["mesh"],
                 weight_spec=record.static["weight_spec"],
@@ -255,6 +261,9 @@ def dense_mask(fn: Callable[..., Any], params: Any, *args, **kwargs) -> Any:
 def sparse_update(optimizer: Any, states: dict, params: Any, grads: Grads) -> tuple[Any, dict]:
     """Updates the rows each lookup of the step read; returns the new params and states.
 
+    A `DynamicEmbed`'s rows given out in the step are reset first, in the table (as the
+    step's forward reset them) and in the optimizer state.
+
     Args:
       optimizer: the `jaxembed.optim.RowSparseOptimizer` of `init_sparse`.
       states: from `init_sparse` (or the last step).
@@ -301,6 +310,18 @@ def sparse_update(optimizer: Any, states: dict, params: Any, grads: Grads) -> tu
             table, states[record.key] = optimizer.update(
                 tables["embedding"], states[record.key], *operands, out_grad, **record.static
             )
+            params = replace_params(params, keys, {"embedding": table})
+            continue
+        if record.kind == "dynamic":  # the step's reset rows afresh (apply kept no write)
+            static = dict(record.static)
+            dyn = static.pop("dynamic")
+            rows, reset, t, key = operands
+            table, state = reset_table_rows(
+                dyn["config"], tables["embedding"], optimizer, states[record.key], reset, t,
+                initializer=dyn["initializer"], key=jax.random.wrap_key_data(key),
+                mesh=static["mesh"], weight_spec=static["weight_spec"],
+            )  # fmt: skip
+            table, states[record.key] = optimizer.update(table, state, rows, out_grad, **static)
             params = replace_params(params, keys, {"embedding": table})
             continue
         static = record.static

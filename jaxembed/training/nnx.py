@@ -31,6 +31,7 @@ from flax.nnx.graph import is_graph_node
 from jaxembed import tape as tape_mod
 from jaxembed.kernels.update import after
 from jaxembed.nn.nnx_collection import EmbeddingBagCollection
+from jaxembed.nn.nnx_dynamic import DynamicEmbed
 from jaxembed.nn.nnx_embed import Embed, Table
 from jaxembed.training.common import Grads, argnums_tuple
 
@@ -154,8 +155,8 @@ class SparseOptimizer(nnx.Pytree):
     """Row-sparse optimizer state for every jaxembed table of a model, and its update.
 
     Args:
-      model: the model; every `jaxembed.nnx.Embed` and `EmbeddingBagCollection` in it gets
-        a state, laid out like its table.
+      model: the model; every `jaxembed.nnx.Embed`, `DynamicEmbed` and
+        `EmbeddingBagCollection` in it gets a state, laid out like its table.
       optimizer: a `jaxembed.optim.RowSparseOptimizer` (e.g. `rowwise_adagrad(0.05)`).
 
     Examples: see `jaxembed.training.nnx` (and `docs/recsys.md`).
@@ -165,7 +166,7 @@ class SparseOptimizer(nnx.Pytree):
         self.optimizer = nnx.static(optimizer)
         states = {}
         for key, module in ((k, _module_at(model, k)) for k in _paths(model).values()):
-            if isinstance(module, Embed):
+            if isinstance(module, Embed | DynamicEmbed):
                 mesh, spec = module.table_layout()
                 states[key] = optimizer.init(module.embedding[...], mesh=mesh, weight_spec=spec)
             elif isinstance(module, EmbeddingBagCollection):
@@ -174,6 +175,9 @@ class SparseOptimizer(nnx.Pytree):
 
     def update(self, model: Any, grads: Grads) -> None:
         """Updates, in place, the rows each lookup of the step read, and the states.
+
+        A `DynamicEmbed`'s rows given out in the step get their initial optimizer state
+        first (`jaxembed.optim.dynamic.reset_optimizer_rows`).
 
         Args:
           model: the model (the same one `value_and_grad` differentiated).
@@ -200,8 +204,12 @@ class SparseOptimizer(nnx.Pytree):
                     opt, states[record.key], operands, out_grad
                 )
                 continue
+            state = states[record.key]
+            if isinstance(module, DynamicEmbed):  # rows handed out this step start afresh
+                operands, reset = operands[:1], operands[1]
+                state = module.reset_optimizer(opt, state, reset)
             table, state = opt.update(
-                module.embedding[...], states[record.key], *operands, out_grad, **record.static
+                module.embedding[...], state, *operands, out_grad, **record.static
             )
             module.embedding[...] = table
             states[record.key] = state
