@@ -267,7 +267,9 @@ def _run_plan(args: argparse.Namespace) -> int:
 #
 # Table keys are `TableConfig`'s (`placement` defaults to `"auto"`; `dtype` a name such as
 # `"bfloat16"`), feature keys `FeatureConfig`'s; without `"features"`, each table gets one
-# single-id feature of its own name.
+# single-id feature of its own name. A dynamic table's `"dynamic"` holds `DynamicTableConfig`'s
+# keys (`{"capacity": 1048576, "bucket_size": 16, "admit_after": 2}`); its `vocab_size` may be
+# left out (it is the capacity).
 
 
 def _allowed_keys(cls: type) -> set[str]:
@@ -306,6 +308,8 @@ def _entries(data: Any, key: str, cls: type, path: str) -> list[dict]:
                 + (f" (did you mean {', '.join(hints)}?)" if hints else "")
             )
         missing = [k for k in _required(cls) if k not in x]
+        if key == "tables" and "dynamic" in x:  # a dynamic table's rows are its capacity
+            missing = [k for k in missing if k != "vocab_size"]
         if missing:
             raise ValueError(
                 f"{path}: {entry} is missing the key{'s' if len(missing) > 1 else ''} "
@@ -321,8 +325,14 @@ _EXAMPLES = {
 
 
 def _build(cls: type, x: dict, key: str, i: int, path: str) -> Any:
-    """`cls(**x)`, its errors prefixed with the file and the entry (same exception type)."""
+    """`cls(**x)`, its errors prefixed with the file and the entry (same exception type); a
+    table's `"dynamic"` object is a `DynamicTableConfig`'s keys."""
     try:
+        if key == "tables" and isinstance(x.get("dynamic"), dict):
+            from jaxembed.dynamic.config import DynamicTableConfig
+
+            dynamic = DynamicTableConfig(**x["dynamic"])
+            x = {"vocab_size": dynamic.capacity, **x, "dynamic": dynamic}
         return cls(**x)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{path}: {key}[{i}] ({x['name']!r}): {e}") from None

@@ -23,6 +23,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jaxembed.dynamic.config import DynamicTableConfig
 from jaxembed.ragged import COMBINERS
 
 __all__ = ["DTYPES", "PLACEMENTS", "FeatureConfig", "TableConfig", "check_configs"]
@@ -78,10 +79,15 @@ class TableConfig:
         embedding initializer, as `nnx.Embed`).
       dtype: the parameter's dtype, one of `DTYPES` (`"float32"`, `"bfloat16"`,
         `"float16"`, `"float64"`), as a type or its name; kept as its canonical `np.dtype`.
+      dynamic: a `jaxembed.dynamic.DynamicTableConfig` for a dynamic table (raw 64-bit ids,
+        admission, eviction; `jaxembed.optim.dynamic_collection`), else None. Its
+        `vocab_size` is its capacity; it is placed `"rows"` (block rows) or `"replicated"`
+        (`"auto"`: the planner chooses between the two), in a stack of its own.
 
     Raises:
       ValueError: an empty name, a vocab_size or dim that is not a positive int, an unknown
-        placement or row_sharding, an axis named twice.
+        placement or row_sharding, an axis named twice, a dynamic table whose vocab_size is
+        not its capacity or whose placement or row sharding it does not support.
       TypeError: axes that are not mesh axis names, an initializer that is not callable, a
         dtype that is not a float dtype of `DTYPES`.
 
@@ -98,6 +104,7 @@ class TableConfig:
     row_sharding: str = "block"
     initializer: Callable[..., Any] | None = dataclasses.field(default=None, compare=False)
     dtype: Any = np.float32
+    dynamic: DynamicTableConfig | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -124,6 +131,33 @@ class TableConfig:
             )
         object.__setattr__(self, "axes", _axes(self.name, self.axes))
         object.__setattr__(self, "dtype", _dtype(self.name, self.dtype))
+        if self.dynamic is not None:
+            self._check_dynamic()
+
+    def _check_dynamic(self) -> None:
+        d = self.dynamic
+        if not isinstance(d, DynamicTableConfig):
+            raise TypeError(
+                f"table {self.name!r}: dynamic must be a jaxembed.dynamic.DynamicTableConfig or "
+                f"None, got {type(d).__name__}"
+            )
+        if self.vocab_size != d.capacity:
+            raise ValueError(
+                f"table {self.name!r}: a dynamic table's rows are its capacity, but "
+                f"vocab_size={self.vocab_size} and dynamic.capacity={d.capacity}: pass "
+                f"vocab_size={d.capacity}"
+            )
+        if self.placement not in ("rows", "replicated", "auto"):
+            raise ValueError(
+                f"table {self.name!r}: a dynamic table is placed 'rows', 'replicated' or "
+                f"'auto', got placement={self.placement!r} (its reset rows are written where "
+                "the rows live, in block rows)"
+            )
+        if self.row_sharding != "block":
+            raise ValueError(
+                f"table {self.name!r}: a dynamic table's rows are split in blocks, got "
+                f"row_sharding={self.row_sharding!r}: pass row_sharding='block'"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -262,6 +262,11 @@ def layout_collection(
     resolved: dict[str, tuple[str, tuple, tuple, int]] = {}
     for t in tables:
         placement = t.placement if t.placement != "auto" else placements.get(t.name, "rows")
+        if t.dynamic is not None and placement not in ("rows", "replicated"):
+            raise ValueError(
+                f"table {t.name!r}: a dynamic table is placed 'rows' or 'replicated', got "
+                f"{placement!r} (from the placements given): place it 'rows' or 'replicated'"
+            )
         if not names:
             placement = "replicated"
         r, k, within = _resolve_axes(t, placement, names, sizes)
@@ -269,19 +274,28 @@ def layout_collection(
             placement, r, k, within = "replicated", (), (), 1  # a one-device mesh
         resolved[t.name] = (placement, r, k, within)
 
-    # Group into stacks: same dim, dtype, R and K.
+    # Group into stacks: same dim, dtype, R and K; a dynamic table alone (its stack's rows
+    # are its rows: the remap's row r is the stack's row r).
     groups: dict[tuple, list[str]] = {}
     for t in tables:
         placement, r, k, _ = resolved[t.name]
-        key = (t.dim, np.dtype(t.dtype).name, r, k)
+        key = (t.dim, np.dtype(t.dtype).name, r, k, t.name if t.dynamic is not None else None)
         groups.setdefault(key, []).append(t.name)
+        n = math.prod(sizes[a] for a in r)
+        if t.dynamic is not None and t.vocab_size % n:
+            step = math.lcm(n, t.dynamic.bucket_size)
+            raise ValueError(
+                f"table {t.name!r}: a dynamic table's capacity {t.vocab_size} does not divide "
+                f"over its {n} row shards ({placement} over {r}): use capacity="
+                f"{-(-t.vocab_size // step) * step} (a multiple of {step})"
+            )
 
     stacks, table_placements = [], {}
     order = {"rows": 0, "table_rows": 1, "table": 2, "replicated": 3, "columns": 3}
     slots = {t.name: 0 for t in tables}  # a table's id slots per example, over its features
     for f in features:
         slots[f.table] += f.max_ids or 1
-    for index, ((dim, dtype, r, k), members) in enumerate(groups.items()):
+    for index, ((dim, dtype, r, k, _), members) in enumerate(groups.items()):
         n = math.prod(sizes[a] for a in r)
         fill = [0] * n
         load = [0] * n  # the slots of the tables placed whole on each shard

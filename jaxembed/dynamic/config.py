@@ -169,6 +169,18 @@ class DynamicTableConfig:
         placeholder never read: orbax cannot save a zero-size array)."""
         return (self.sketch_depth, self.sketch_width) if self.uses_sketch else (1, 1)
 
+    @property
+    def state_bytes(self) -> int:
+        """The bytes of its `DynamicState`: 16 a row (keys 8, last_seen 4, count 4), the
+        sketch's int32 counters and its total (replicated: every device holds them all).
+
+        Examples:
+          >>> DynamicTableConfig(capacity=1024, bucket_size=16).state_bytes    # no sketch
+          16392
+        """
+        depth, width = self.sketch_shape
+        return 16 * self.capacity + 4 * depth * width + 4
+
 
 class DynamicState(NamedTuple):
     """A dynamic table's identity and metadata: arrays only (jax, or numpy in the reference).

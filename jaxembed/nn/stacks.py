@@ -203,7 +203,15 @@ def concat_features(layout: CollectionLayout, outputs: Mapping[str, jax.Array]) 
 def auto_plan(tables, features, mesh, placements: Any, planner: Mapping[str, Any] | None):
     """`placements="auto"`: the `jaxembed.plan_collection` result for `planner`'s budget
     (`batch_size`, `memory_per_device`, and optionally `optimizer`, `id_stats`, `backend`);
-    any other `placements` as given."""
+    any other `placements` as given. Refuses dynamic tables (the modules do not remap)."""
+    dynamic = [t.name for t in tables if getattr(t, "dynamic", None) is not None]
+    if dynamic:
+        raise ValueError(
+            f"tables {dynamic} are dynamic (TableConfig.dynamic), which the collection modules "
+            "do not train yet: use jaxembed.optim.dynamic_collection.prepare with "
+            "collection_lookup / collection_update, or a jaxembed.nnx.DynamicEmbed / "
+            "jaxembed.flax.DynamicEmbed per dynamic table beside the collection"
+        )
     if not (isinstance(placements, str) and placements == "auto"):
         if planner:
             raise ValueError(

@@ -212,6 +212,8 @@ def _choices(t: TableConfig, sizes: dict[str, int]) -> list[str]:
     cols = math.prod(sizes[a] for a in t.axes) if t.axes else split
     if t.dim % cols == 0:
         out.append("columns")
+    if t.dynamic is not None:  # its rows are reset where they live: block rows or whole
+        out = [c for c in out if c in ("rows", "replicated")]
     return [c for c in _CHOICES if c in out] if split > 1 else ["replicated"]
 
 
@@ -434,6 +436,15 @@ def _search(auto, current, best, price, sizes, key, budget):
     return current, best
 
 
+def _dynamic_note(t: TableConfig) -> str:
+    """A dynamic table's line says so, and what its remap state adds to its memory."""
+    if t.dynamic is None:
+        return ""
+    d = t.dynamic
+    return (f"; dynamic ({d.policy}, admit after {d.admit_after}): + "
+            f"{format_bytes(d.state_bytes)} remap state on every device")  # fmt: skip
+
+
 def _reason(chosen: str, results: dict[str, Any], budget: int) -> str:
     mine = results[chosen]
     parts = []
@@ -498,7 +509,7 @@ def _assemble(ctx, best: LayoutCost, budget, reasons, tables) -> CollectionPlan:
             name=t.name, vocab_size=t.vocab_size, dim=t.dim, placement=p.placement,
             row_sharding=p.row_sharding, stack=layout.stacks[p.stack].name, exchange=exchange,
             wire_bytes=wire, modelled_ms=ms, memory_bytes=best.table_bytes[t.name],
-            reason=reasons.get(t.name, "fixed by its config"),
+            reason=reasons.get(t.name, "fixed by its config") + _dynamic_note(t),
         ))  # fmt: skip
     routes = any(c.exchange == "routed" for c in best.calls)
     stats = ctx.stats

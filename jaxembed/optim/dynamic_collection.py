@@ -1,0 +1,154 @@
+"""Dynamic tables in a collection: one step's remap of every dynamic table's features.
+
+A table whose `TableConfig.dynamic` is set is a dynamic table (`jaxembed.optim.dynamic`) in a
+stack of its own (`layout_collection`): the stack's row r is the remap's row r, placed
+`"rows"` (block rows over the stack's axes) or `"replicated"`. Its features take raw 64-bit
+ids (`jaxembed.dynamic.as_keys` forms: keys `uint32[B, L, 2]` or `[B, 2]` under `jit`, with
+`(keys, weights)` for weighted features). `prepare` remaps them into ordinary row ids, resets
+the rows it gives out (table and optimizer state), and returns a batch the static collection
+path reads unchanged: `collection_lookup` and `collection_update`.
+
+    batch, stacks, states, remaps, stats = prepare(layout, stacks, states, remaps, batch, t,
+                                                   key=key, optimizer=opt)
+    outputs = collection_lookup(layout, stacks, batch)
+    ...
+    stacks, states = collection_update(layout, opt, stacks, states, batch, out_grads)
+
+A table's features are remapped one after another with the same step (`prepare` once per
+feature: no feature takes a row another's ids looked up at that step). An id without a row
+becomes -1: it reads zeros, gets no gradient, and a bag's `mean` and `sqrtn` do not count it.
+The reset rows of table i draw from `fold_in(key, i)` (i: its index in `layout.tables`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxembed.collection.layout import CollectionLayout
+from jaxembed.dynamic.config import DynamicState, StepStats
+from jaxembed.kernels import remap
+from jaxembed.kernels.arrays import resolve_mesh
+from jaxembed.optim.dynamic import DynamicTable
+from jaxembed.optim.dynamic import prepare as prepare_table
+
+__all__ = ["DEFAULT_INITIALIZER", "dynamic_tables", "init_states", "prepare"]
+
+DEFAULT_INITIALIZER = jax.nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
+"""A dynamic table's reset rows without `TableConfig.initializer`: Flax's `Embed` default."""
+
+
+def dynamic_tables(layout: CollectionLayout) -> list[tuple[int, Any]]:
+    """`(index in layout.tables, TableConfig)` of each dynamic table of the collection."""
+    return [(i, t) for i, t in enumerate(layout.tables) if t.dynamic is not None]
+
+
+def init_states(layout: CollectionLayout, *, mesh: Any = None) -> dict[str, DynamicState]:
+    """Every dynamic table's empty remap state, by table name (replicated on `mesh`).
+
+    Examples:
+      >>> from jaxembed.collection import FeatureConfig, TableConfig, layout_collection
+      >>> from jaxembed.dynamic import DynamicTableConfig
+      >>> t = TableConfig("user", 64, 8, dynamic=DynamicTableConfig(capacity=64, bucket_size=8))
+      >>> layout = layout_collection([t], [FeatureConfig("user_id", "user")], None)
+      >>> list(init_states(layout)), init_states(layout)["user"].keys.shape
+      (['user'], (64, 2))
+    """
+    mesh = resolve_mesh(mesh)
+    out = {}
+    for _, t in dynamic_tables(layout):
+        state = remap.init_state(t.dynamic)
+        if mesh is not None and isinstance(mesh, jax.sharding.Mesh):
+            state = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), state)
+        out[t.name] = state
+    return out
+
+
+def _split(feature: str, value: Any) -> tuple[Any, Any]:
+    if isinstance(value, tuple) and len(value) == 2:
+        return value
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        raise TypeError(
+            f"feature {feature!r} reads a dynamic table: its input must be raw ids (keys "
+            f"uint32[B, L, 2] or [B, 2], int64 with x64) or (ids, weights), got "
+            f"{type(value).__name__} (a jaxembed.Ragged input is not supported for dynamic "
+            "tables: pad the bags with EMPTY_ID, -1)"
+        )
+    return value, None
+
+
+def prepare(
+    layout: CollectionLayout,
+    stacks: Mapping[int, jax.Array],
+    states: Mapping[int, Any] | None,
+    remaps: Mapping[str, DynamicState],
+    batch: Mapping[str, Any],
+    step_index: Any,
+    *,
+    key: Any,
+    optimizer: Any,
+    impl: str = "auto",
+    mesh: Any = None,
+    check_ids: bool = True,
+) -> tuple[dict[str, Any], dict[int, jax.Array], dict[int, Any] | None, dict, dict]:
+    """One step's remap of every dynamic table's features, with the rows it gives out reset.
+
+    Args:
+      layout: the collection's layout.
+      stacks: each stack's table, by stack index (as `collection_lookup` takes them).
+      states: the row-sparse optimizer's state of each stack, by index (or None, with
+        `optimizer=None`).
+      remaps: each dynamic table's `DynamicState`, by table name (`init_states`).
+      batch: every feature's input; a dynamic table's features hold raw ids (see the module).
+      step_index: t, an int32 scalar, non-decreasing from step to step.
+      key: the PRNG key the reset rows draw from (table i: `fold_in(key, i)`).
+      optimizer: the `RowSparseOptimizer` of `states`, or None.
+      impl, check_ids: as `jaxembed.optim.dynamic.prepare`'s.
+      mesh: the mesh; default `jax.set_mesh`'s, else the stacks'.
+
+    Returns:
+      `(batch, stacks, states, remaps, stats)`: the batch with each dynamic feature's ids
+      replaced by int32 rows (-1: no row), the stacks and states with the reset rows written,
+      the new remap states, and each dynamic table's `StepStats` (its features' summed).
+
+    Raises:
+      KeyError: a dynamic table without a remap state.
+      TypeError, ValueError: as `jaxembed.optim.dynamic.prepare`; a `Ragged` input for a
+        dynamic feature.
+    """
+    batch, stacks = dict(batch), dict(stacks)
+    states = None if states is None else dict(states)
+    remaps, stats = dict(remaps), {}
+    for index, t in dynamic_tables(layout):
+        if t.name not in remaps:
+            raise KeyError(
+                f"prepare: no remap state for dynamic table {t.name!r} (got states of "
+                f"{sorted(remaps)}): make them with init_states(layout)"
+            )
+        stack = layout.stack_of(t.name)
+        s = stack.index
+        dyn = DynamicTable(stacks[s], remaps[t.name])
+        state = None if states is None else states[s]
+        total = None
+        for f in (f for f in layout.features if f.table == t.name):
+            ids, weights = _split(f.name, batch[f.name])
+            rows, dyn, state, step = prepare_table(
+                t.dynamic, dyn, state, ids, step_index,
+                initializer=t.initializer or DEFAULT_INITIALIZER,
+                key=jax.random.fold_in(key, index), optimizer=optimizer, impl=impl, mesh=mesh,
+                weight_spec=stack.spec, check_ids=check_ids,
+            )  # fmt: skip
+            rows = jnp.where(rows == t.dynamic.capacity, -1, rows)  # no row: no id
+            batch[f.name] = rows if weights is None else (rows, weights)
+            total = step if total is None else StepStats(*map(jnp.add, total, step))
+        stacks[s], remaps[t.name] = dyn.table, dyn.state
+        if states is not None:
+            states[s] = state
+        if total is not None:
+            stats[t.name] = total
+    return batch, stacks, states, remaps, stats
