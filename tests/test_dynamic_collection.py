@@ -15,11 +15,14 @@ state and places a dynamic table only "rows" or "replicated"; bad configs raise.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 from test_dynamic_table import BAGS, INIT, KEY, LR, LR_HEAD, SPREAD, H, config
 
 import jaxembed
+import jaxembed.nnx
 from jaxembed.collection import FeatureConfig, TableConfig, layout_collection
 from jaxembed.dynamic import keys as K
 from jaxembed.dynamic import reference as R
@@ -272,15 +275,83 @@ def test_jaxembed_plan_reads_dynamic_tables(tmp_path, capsys):
     assert "tables[1]" in err and "fifo" in err, err
 
 
-def test_the_collection_modules_refuse_dynamic_tables():
-    from flax import nnx
-
+def test_the_linen_collection_refuses_dynamic_tables():
     import jaxembed.flax
-    import jaxembed.nnx
 
     t = TableConfig("user", 16, H, dynamic=DynamicTableConfig(capacity=16, bucket_size=4))
     f = [FeatureConfig("u", "user")]
-    with pytest.raises(ValueError, match=r"dynamic_collection\.prepare"):
-        jaxembed.nnx.EmbeddingBagCollection([t], f, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"dynamic_collection\.prepare"):
+    with pytest.raises(ValueError, match=r"jaxembed\.nnx\.EmbeddingBagCollection"):
         jaxembed.flax.EmbeddingBagCollection([t], f).init(jax.random.key(0), {"u": jnp.zeros(2)})
+
+
+class Net(nnx.Module):
+    """The twin's model as an NNX collection: the two tables, the head on the three outputs."""
+
+    def __init__(self, layout_tables, mesh):
+        self.coll = jaxembed.nnx.EmbeddingBagCollection(layout_tables, FEATURES, mesh=mesh,
+                                                        rngs=nnx.Rngs(0))  # fmt: skip
+        self.coll.load_tables({"item": ITEM_INIT, "user": np.zeros((16, H), np.float32)})
+        self.coll.reset_key.set_value(jax.random.key_data(KEY))
+        self.w = nnx.Param(jnp.linspace(-1, 1, 3 * H))
+        self.b = nnx.Param(jnp.float32(0.25))
+
+    def __call__(self, batch):
+        return self.coll.concat(self.coll(batch)) @ self.w[...] + self.b[...]
+
+
+@nnx.jit
+def nnx_step(net, dense, sparse, batch, y):
+    def loss_fn(net):
+        return jnp.mean((net(batch) - y) ** 2)
+
+    loss, grads = jaxembed.nnx.value_and_grad(loss_fn)(net)
+    dense.update(net, grads.dense)
+    sparse.update(net, grads)
+    return loss
+
+
+@pytest.mark.parametrize("placement,devices", [("rows", 1), ("rows", 8)])
+def test_the_nnx_collection_trains_a_dynamic_table_like_the_references(placement, devices):
+    cfg = config("lfu")
+    mesh = jax.make_mesh((8,), ("model",)) if devices == 8 else None
+    net = Net(tables(placement, cfg), mesh)
+    layout = net.coll.layout
+    dense = nnx.Optimizer(net, optax.sgd(LR_HEAD), wrt=jaxembed.nnx.DENSE)
+    sparse = jaxembed.nnx.SparseOptimizer(net, OPT)
+    twin = Twin(cfg, [t.name for t in layout.tables].index("user"))
+    user = layout.stack_of("user")
+    for t, (raw, y) in enumerate(stream()):
+        batch = {n: K.as_keys(v, check=False) if n != "item" else jnp.asarray(v)
+                 for n, v in raw.items()}  # fmt: skip
+        loss = nnx_step(net, dense, sparse, batch, jnp.asarray(y))
+        refs, _, want_loss = twin.step(raw, y, t)
+        where = f"nnx {placement}/{devices} step {t}"
+        for name in DynamicState._fields:
+            np.testing.assert_array_equal(
+                getattr(net.coll.remaps["user"].get_value(), name),
+                getattr(twin.state, name),
+                err_msg=where,
+            )
+        want_stats = np.sum([np.array(r.stats) for r in refs], 0)
+        got_stats = [int(x) for x in net.coll.remap_stats["user"].get_value()]
+        np.testing.assert_array_equal(got_stats, want_stats, where)
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-5, err_msg=where)
+        table = np.asarray(net.coll.stacks[user.name][...])
+        acc = np.asarray(sparse.states["coll"][user.index].slots["accumulator"])
+        live = ~K.is_reserved(np.asarray(twin.state.keys))
+        for r in np.flatnonzero(live):
+            i = int(K.to_uint64(np.asarray(twin.state.keys)[r]))
+            np.testing.assert_allclose(table[r], twin.emb[i], rtol=2e-5, atol=1e-6,
+                                       err_msg=f"{where}: user row {r}")  # fmt: skip
+            np.testing.assert_allclose(acc[r], twin.acc[i], rtol=2e-5, err_msg=where)
+        np.testing.assert_allclose(net.coll.tables()["item"], twin.items, rtol=2e-5, atol=1e-6,
+                                   err_msg=where)  # fmt: skip
+        if mesh is not None:
+            assert net.coll.stacks[user.name][...].sharding.spec == user.spec, where
+    # evaluation reads, and changes nothing
+    before = jax.tree.map(np.asarray, nnx.state(net.coll))
+    net.eval()
+    out = net.coll(batch)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.state(net.coll)),
+                 before)  # fmt: skip
+    assert out["user_hist"].shape == (BAGS, H)

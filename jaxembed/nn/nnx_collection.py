@@ -39,10 +39,12 @@ from jaxembed.collection.checks import (
 )
 from jaxembed.collection.config import FeatureConfig, TableConfig
 from jaxembed.collection.layout import layout_collection
+from jaxembed.dynamic.config import StepStats
 from jaxembed.kernels.arrays import place_table
 from jaxembed.kernels.collection import collection_lookup, collection_update
 from jaxembed.kernels.tables import is_quantized
 from jaxembed.nn.common import current_mesh
+from jaxembed.nn.nnx_dynamic import RemapState
 from jaxembed.nn.nnx_embed import QuantizedStack, Table
 from jaxembed.nn.stacks import (
     auto_plan,
@@ -54,6 +56,7 @@ from jaxembed.nn.stacks import (
     quantize_stacks,
     unstack,
 )
+from jaxembed.optim import dynamic_collection
 
 __all__ = ["EmbeddingBagCollection"]
 
@@ -97,7 +100,17 @@ class EmbeddingBagCollection(nnx.Module):
         (data parallel, as `jax.jit(in_shardings=P(axes))` lays it out; see
         `jaxembed.kernels.collection`); inputs that carry their layout are read.
       exchange: the lookups' exchange (`"auto"`, `"rows"`, `"routed"`, ...).
-      rngs: the rngs; each table draws from `rngs.params()` in table order.
+      rngs: the rngs; each table draws from `rngs.params()` in table order (then, with
+        dynamic tables, the key their reset rows draw from).
+
+    **Dynamic tables** (`TableConfig(dynamic=...)`: raw 64-bit ids, admission, eviction;
+    docs/dynamic.md): their features take raw ids (keys `uint32[B, L, 2]` under `jit`), their
+    stacks start at zeros, and the remap's state of each (`remaps`), the step (`remap_step`),
+    the reset key and the last step's `StepStats` (`remap_stats`) are `RemapState` variables.
+    A call in training mode remaps their features
+    (`jaxembed.optim.dynamic_collection.remap_collection`: rows given out are reset in the
+    stack) and records the reset rows, which `SparseOptimizer.update` resets in the optimizer
+    state before the update; in evaluation mode (`model.eval()`) it only reads.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -128,7 +141,7 @@ class EmbeddingBagCollection(nnx.Module):
         rngs: nnx.Rngs,
     ):
         mesh = current_mesh(mesh)
-        placements = auto_plan(tables, features, mesh, placements, planner)
+        placements = auto_plan(tables, features, mesh, placements, planner, allow_dynamic=True)
         self.plan = placements if hasattr(placements, "table_configs") else None
         tables, exchange = planned(tables, placements, exchange)
         self.layout = layout_collection(tables, features, mesh, getattr(
@@ -139,7 +152,11 @@ class EmbeddingBagCollection(nnx.Module):
         values = {}
         for t in tables:
             init = t.initializer or default_embed_init
-            values[t.name] = init(rngs.params(), (t.vocab_size, t.dim), t.dtype)
+            key = rngs.params()
+            if t.dynamic is not None:  # every row is initialised when an id is admitted to it
+                values[t.name] = np.zeros((t.vocab_size, t.dim), t.dtype)
+            else:
+                values[t.name] = init(key, (t.vocab_size, t.dim), t.dtype)
         stacks = {}
         for s in self.layout.stacks:
             # Born in its layout, eager (under `jax.set_mesh` or with `mesh=`) or traced.
@@ -149,16 +166,55 @@ class EmbeddingBagCollection(nnx.Module):
                 metadata["mesh"] = mesh
             stacks[s.name] = Table(array, **metadata)
         self.stacks = nnx.Dict(stacks)
+        self.deterministic = False
+        dynamic = dynamic_collection.dynamic_tables(self.layout)
+        if dynamic:
+            remaps = dynamic_collection.init_states(self.layout, mesh=mesh)
+            zero = jnp.zeros((), jnp.int32)
+            self.remaps = nnx.Dict({n: RemapState(v) for n, v in remaps.items()})
+            self.remap_stats = nnx.Dict(
+                {t.name: RemapState(StepStats(*(zero,) * 6)) for _, t in dynamic}
+            )
+            self.remap_step = RemapState(zero)
+            self.reset_key = RemapState(jax.random.key_data(rngs.params()))
+
+    def _remap(self, batch: Mapping[str, Any], read_only: bool) -> tuple[dict, dict | None]:
+        """The batch with the dynamic features' ids as rows; in training, one remap step
+        (the stacks, remaps, step and stats written) and its reset rows by stack."""
+        remaps = {n: v.get_value() for n, v in self.remaps.items()}
+        if read_only:
+            return dynamic_collection.read_rows(
+                self.layout, remaps, batch, mesh=self.mesh, check_ids=False
+            ), None  # fmt: skip
+        t = self.remap_step.get_value()
+        key = jax.random.wrap_key_data(self.reset_key.get_value())
+        batch, stacks, remaps, stats, resets = dynamic_collection.remap_collection(
+            self.layout, self._stacks(), remaps, batch, t, key=key, mesh=self.mesh,
+            check_ids=False,
+        )  # fmt: skip
+        for s in resets:
+            self.stacks[self.layout.stacks[s].name][...] = stacks[s]
+        for name, state in remaps.items():
+            self.remaps[name].set_value(state)
+        for name, value in stats.items():
+            self.remap_stats[name].set_value(value)
+        self.remap_step.set_value(t + 1)
+        return batch, resets
 
     def _stacks(self) -> dict[int, jax.Array]:
         return {s.index: self.stacks[s.name].get_value() for s in self.layout.stacks}
 
-    def __call__(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
+    def __call__(
+        self, batch: Mapping[str, Any], *, deterministic: bool | None = None
+    ) -> dict[str, jax.Array]:
         """Every feature's output.
 
         Args:
           batch: `{feature: ids [B] | ids [B, L] | (ids, weights) | jaxembed.Ragged}`;
-            negative ids are empty slots, ids outside a table's vocabulary read nothing.
+            negative ids are empty slots, ids outside a table's vocabulary read nothing. A
+            dynamic table's features: raw ids (`jaxembed.dynamic.as_keys` forms), dense.
+          deterministic: with dynamic tables, read-only (no admission, no counting) if True;
+            default the module's attribute (`model.eval()` sets it).
 
         Returns:
           `{feature: [B, dim]}` for pooled features (`[*lead·B, dim]` for a `Ragged`), and
@@ -166,6 +222,10 @@ class EmbeddingBagCollection(nnx.Module):
           `concat`: a dict that passes through a JAX transformation (`value_and_grad`,
           `jit`'s outputs) comes back with its keys sorted, as every pytree dict.
         """
+        resets = None
+        if hasattr(self, "remaps"):
+            read_only = self.deterministic if deterministic is None else deterministic
+            batch, resets = self._remap(batch, bool(read_only))
         recording = tape.active() is not None
         stacks = self._stacks()
         if recording:
@@ -175,7 +235,8 @@ class EmbeddingBagCollection(nnx.Module):
             exchange=self.exchange,
         )  # fmt: skip
         ours = {f.name: batch[f.name] for f in self.layout.features}
-        return tape.tap(self, "collection", "collection", out, ours, {})
+        operands = ours if resets is None else (ours, resets)  # (rows, the reset rows)
+        return tape.tap(self, "collection", "collection", out, operands, {})
 
     def quantized(self, precision: Any, **options: Any) -> EmbeddingBagCollection:
         """A serving copy of this collection, its tables quantized row-wise.
@@ -307,8 +368,13 @@ class EmbeddingBagCollection(nnx.Module):
         states: Mapping[int, Any],
         batch: Mapping[str, Any],
         out_grads: Mapping[str, jax.Array],
+        *,
+        resets: Mapping[int, jax.Array] | None = None,
     ) -> dict[int, Any]:
         """Updates the tables in place from the outputs' gradients; returns the new states.
+
+        With `resets` (a training call's reset rows of its dynamic stacks, by stack index),
+        those rows' optimizer state is reset first.
 
         Args:
           optimizer: a `jaxembed.optim.RowSparseOptimizer`.
@@ -327,6 +393,10 @@ class EmbeddingBagCollection(nnx.Module):
         """
         check_states(self.layout, optimizer, states, what="apply_gradients")
         check_out_grads(self.layout, batch, out_grads)
+        if resets:
+            states = dynamic_collection.reset_states(
+                self.layout, self._stacks(), optimizer, states, resets, mesh=self.mesh
+            )
         stacks, states = collection_update(
             self.layout, optimizer, self._stacks(), states, batch, out_grads, mesh=self.mesh,
             x_spec=self.x_sharding, exchange=self.exchange,

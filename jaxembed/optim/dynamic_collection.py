@@ -14,10 +14,15 @@ path reads unchanged: `collection_lookup` and `collection_update`.
     ...
     stacks, states = collection_update(layout, opt, stacks, states, batch, out_grads)
 
-A table's features are remapped one after another with the same step (`prepare` once per
-feature: no feature takes a row another's ids looked up at that step). An id without a row
+A table's features are remapped one after another with the same step (no feature takes a
+row another's ids looked up at that step; an id a later feature admits is no row for an
+earlier one's slots this step). An id without a row
 becomes -1: it reads zeros, gets no gradient, and a bag's `mean` and `sqrtn` do not count it.
 The reset rows of table i draw from `fold_in(key, i)` (i: its index in `layout.tables`).
+
+For a training loop that holds the optimizer state elsewhere (`jaxembed.nnx`'s collection),
+`remap_collection` returns the reset rows instead, `reset_states` resets them later, and
+`read_rows` maps ids to rows read-only (evaluation, serving).
 """
 
 from __future__ import annotations
@@ -34,10 +39,17 @@ from jaxembed.collection.layout import CollectionLayout
 from jaxembed.dynamic.config import DynamicState, StepStats
 from jaxembed.kernels import remap
 from jaxembed.kernels.arrays import resolve_mesh
-from jaxembed.optim.dynamic import DynamicTable
-from jaxembed.optim.dynamic import prepare as prepare_table
+from jaxembed.optim.dynamic import DynamicTable, remap_table, reset_optimizer_rows, rows_for
 
-__all__ = ["DEFAULT_INITIALIZER", "dynamic_tables", "init_states", "prepare"]
+__all__ = [
+    "DEFAULT_INITIALIZER",
+    "dynamic_tables",
+    "init_states",
+    "prepare",
+    "read_rows",
+    "remap_collection",
+    "reset_states",
+]
 
 DEFAULT_INITIALIZER = jax.nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
 """A dynamic table's reset rows without `TableConfig.initializer`: Flax's `Embed` default."""
@@ -82,6 +94,55 @@ def _split(feature: str, value: Any) -> tuple[Any, Any]:
     return value, None
 
 
+def remap_collection(
+    layout: CollectionLayout,
+    stacks: Mapping[int, jax.Array],
+    remaps: Mapping[str, DynamicState],
+    batch: Mapping[str, Any],
+    step_index: Any,
+    *,
+    key: Any,
+    impl: str = "auto",
+    mesh: Any = None,
+    check_ids: bool = True,
+) -> tuple[dict[str, Any], dict[int, jax.Array], dict, dict, dict[int, jax.Array]]:
+    """`prepare` without the optimizer states: the rows reset in each stack come back.
+
+    Returns:
+      `(batch, stacks, remaps, stats, resets)`: as `prepare`'s, and each dynamic stack's
+      reset rows, int32 `[M]` (its features' id slots), the rows first, then `capacity`, for
+      `jaxembed.optim.dynamic.reset_optimizer_rows`.
+    """
+    batch, stacks = dict(batch), dict(stacks)
+    remaps, stats, resets = dict(remaps), {}, {}
+    for index, t in dynamic_tables(layout):
+        if t.name not in remaps:
+            raise KeyError(
+                f"prepare: no remap state for dynamic table {t.name!r} (got states of "
+                f"{sorted(remaps)}): make them with init_states(layout)"
+            )
+        stack = layout.stack_of(t.name)
+        dyn, total, reset = DynamicTable(stacks[stack.index], remaps[t.name]), None, []
+        for f in (f for f in layout.features if f.table == t.name):
+            ids, weights = _split(f.name, batch[f.name])
+            rows, dyn, rows_reset, step = remap_table(
+                t.dynamic, dyn, ids, step_index,
+                initializer=t.initializer or DEFAULT_INITIALIZER,
+                key=jax.random.fold_in(key, index), impl=impl, mesh=mesh,
+                weight_spec=stack.spec, check_ids=check_ids,
+            )  # fmt: skip
+            rows = jnp.where(rows == t.dynamic.capacity, -1, rows)  # no row: no id
+            batch[f.name] = rows if weights is None else (rows, weights)
+            total = step if total is None else StepStats(*map(jnp.add, total, step))
+            reset.append(rows_reset)
+        stacks[stack.index], remaps[t.name] = dyn.table, dyn.state
+        if total is not None:
+            stats[t.name] = total
+            # one list, the rows first (each feature's are; `capacity` sorts last)
+            resets[stack.index] = jnp.sort(jnp.concatenate(reset))
+    return batch, stacks, remaps, stats, resets
+
+
 def prepare(
     layout: CollectionLayout,
     stacks: Mapping[int, jax.Array],
@@ -121,34 +182,58 @@ def prepare(
       TypeError, ValueError: as `jaxembed.optim.dynamic.prepare`; a `Ragged` input for a
         dynamic feature.
     """
-    batch, stacks = dict(batch), dict(stacks)
-    states = None if states is None else dict(states)
-    remaps, stats = dict(remaps), {}
-    for index, t in dynamic_tables(layout):
-        if t.name not in remaps:
-            raise KeyError(
-                f"prepare: no remap state for dynamic table {t.name!r} (got states of "
-                f"{sorted(remaps)}): make them with init_states(layout)"
-            )
-        stack = layout.stack_of(t.name)
-        s = stack.index
-        dyn = DynamicTable(stacks[s], remaps[t.name])
-        state = None if states is None else states[s]
-        total = None
+    if optimizer is None and states is not None:
+        raise ValueError(
+            "prepare: got optimizer states but optimizer=None: pass the optimizer that made "
+            "them, so that the rows it resets get their initial state"
+        )
+    batch, stacks, remaps, stats, resets = remap_collection(
+        layout, stacks, remaps, batch, step_index, key=key, impl=impl, mesh=mesh,
+        check_ids=check_ids,
+    )  # fmt: skip
+    if states is not None:
+        states = reset_states(layout, stacks, optimizer, states, resets, mesh=mesh)
+    return batch, stacks, states, remaps, stats
+
+
+def reset_states(
+    layout: CollectionLayout,
+    stacks: Mapping[int, jax.Array],
+    optimizer: Any,
+    states: Mapping[int, Any],
+    resets: Mapping[int, jax.Array],
+    *,
+    mesh: Any = None,
+) -> dict[int, Any]:
+    """The optimizer states with each dynamic stack's reset rows (`remap_collection`'s
+    `resets`) back at their initial values; the other stacks' states as they are."""
+    states = dict(states)
+    for s, reset in resets.items():
+        (name,) = layout.stacks[s].tables  # a dynamic table's stack holds it alone
+        states[s] = reset_optimizer_rows(
+            layout.table(name).dynamic, stacks[s], optimizer, states[s], reset, mesh=mesh,
+            weight_spec=layout.stacks[s].spec,
+        )  # fmt: skip
+    return states
+
+
+def read_rows(
+    layout: CollectionLayout,
+    remaps: Mapping[str, DynamicState],
+    batch: Mapping[str, Any],
+    *,
+    impl: str = "auto",
+    mesh: Any = None,
+    check_ids: bool = True,
+) -> dict[str, Any]:
+    """The batch with each dynamic feature's ids as rows (-1: no row), read-only: nothing
+    admitted or counted (`jaxembed.optim.dynamic.rows_for`), for evaluation and serving."""
+    batch = dict(batch)
+    for _, t in dynamic_tables(layout):
         for f in (f for f in layout.features if f.table == t.name):
             ids, weights = _split(f.name, batch[f.name])
-            rows, dyn, state, step = prepare_table(
-                t.dynamic, dyn, state, ids, step_index,
-                initializer=t.initializer or DEFAULT_INITIALIZER,
-                key=jax.random.fold_in(key, index), optimizer=optimizer, impl=impl, mesh=mesh,
-                weight_spec=stack.spec, check_ids=check_ids,
-            )  # fmt: skip
-            rows = jnp.where(rows == t.dynamic.capacity, -1, rows)  # no row: no id
+            rows = rows_for(t.dynamic, remaps[t.name], ids, impl=impl, mesh=mesh,
+                            check_ids=check_ids)  # fmt: skip
+            rows = jnp.where(rows == t.dynamic.capacity, -1, rows)
             batch[f.name] = rows if weights is None else (rows, weights)
-            total = step if total is None else StepStats(*map(jnp.add, total, step))
-        stacks[s], remaps[t.name] = dyn.table, dyn.state
-        if states is not None:
-            states[s] = state
-        if total is not None:
-            stats[t.name] = total
-    return batch, stacks, states, remaps, stats
+    return batch

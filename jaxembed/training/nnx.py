@@ -200,8 +200,9 @@ class SparseOptimizer(nnx.Pytree):
                     "SparseOptimizer from this model, SparseOptimizer(model, optimizer)"
                 )
             if isinstance(module, EmbeddingBagCollection):
+                batch, resets = operands if isinstance(operands, tuple) else (operands, None)
                 states[record.key] = module.apply_gradients(
-                    opt, states[record.key], operands, out_grad
+                    opt, states[record.key], batch, out_grad, resets=resets
                 )
                 continue
             state = states[record.key]
