@@ -27,6 +27,7 @@ import jaxembed.flax
 import jaxembed.nnx
 from jaxembed.dynamic import keys as K
 from jaxembed.dynamic.config import DynamicState, DynamicTableConfig
+from jaxembed.nn.nnx_dynamic import replicated_on
 
 
 class Net(nnx.Module):
@@ -35,7 +36,9 @@ class Net(nnx.Module):
             cfg, H, embedding_init=INIT, impl="xla", rngs=rngs,
             embedding_metadata=metadata or {},
         )  # fmt: skip
-        self.embed.reset_key.set_value(jax.random.key_data(KEY))  # the twin's draws
+        context = jax.sharding.get_abstract_mesh()
+        here = replicated_on(None if context.empty else context)  # where a restore puts it
+        self.embed.reset_key.set_value(here(jax.random.key_data(KEY)))  # the twin's draws
         self.w = nnx.Param(jnp.linspace(-1, 1, H))
         self.b = nnx.Param(jnp.float32(0.25))
 
@@ -354,3 +357,54 @@ def test_remap_then_reset_gives_prepares_bits(layout):
         D.reset_optimizer_rows(cfg, dyn.table, opt, state, np.zeros((2, 3), np.int32))
     with pytest.raises(TypeError, match="RowSparseOptimizer"):
         D.reset_optimizer_rows(cfg, dyn.table, None, state, np.zeros(3, np.int32))
+
+
+def test_orbax_restores_a_dynamic_module_onto_another_mesh_and_it_continues(tmp_path):
+    """Three steps on (data=2, model=4), an orbax checkpoint of the model and the sparse
+    optimizer (table, remap state, step, reset key, accumulators), restored into a model
+    built on 8 devices (rows over 8), three more steps: the remap state and counts equal the
+    uninterrupted run's bitwise, the table and accumulators to float32 rounding."""
+    import orbax.checkpoint as ocp
+
+    cfg, opt = config("lfu"), OPTIMIZERS["adagrad"]
+    batches = [(K.as_keys(ids, check=False), jnp.asarray(y)) for ids, y in stream()]
+
+    def build(mesh):
+        net = Net(cfg, nnx.Rngs(0), {"out_sharding": ("model", None)})
+        dense = nnx.Optimizer(net, optax.sgd(LR_HEAD), wrt=jaxembed.nnx.DENSE)
+        return net, dense, jaxembed.nnx.SparseOptimizer(net, opt)
+
+    first = jax.make_mesh((2, 4), ("data", "model"))
+    with jax.set_mesh(first):
+        net, dense, sparse = build(first)
+        for keys, y in batches[:3]:
+            train_step(net, dense, sparse, keys, y)
+        path = ocp.test_utils.erase_and_create_empty(tmp_path / "ckpt")
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(path / "state", {"model": nnx.state((net, dense)),
+                                       "sparse": dict(sparse.states)})  # fmt: skip
+        for keys, y in batches[3:]:  # the uninterrupted run
+            train_step(net, dense, sparse, keys, y)
+        want = jax.tree.map(np.asarray, nnx.state((net, sparse)))
+    other = jax.make_mesh((8,), ("model",))
+    with jax.set_mesh(other):
+        net2, dense2, sparse2 = build(other)
+        target = {"model": nnx.state((net2, dense2)), "sparse": dict(sparse2.states)}
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        with ocp.StandardCheckpointer() as ckpt:
+            restored = ckpt.restore(path / "state", target)
+        nnx.update((net2, dense2), restored["model"])
+        sparse2.states = nnx.data(restored["sparse"])  # RowSparseStates: no nnx.update
+        assert net2.embed.embedding[...].sharding.spec == P("model", None)
+        assert int(net2.embed.step.get_value()) == 3
+        for keys, y in batches[3:]:
+            train_step(net2, dense2, sparse2, keys, y)
+        got = jax.tree.map(np.asarray, nnx.state((net2, sparse2)))
+    got, want = (jax.tree_util.tree_leaves_with_path(x) for x in (got, want))
+    assert [p for p, _ in got] == [p for p, _ in want]
+    for (path, a), (_, b) in zip(got, want, strict=True):
+        if np.issubdtype(a.dtype, np.integer):  # the remap state, step, key, counts: bitwise
+            np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7,
+                                       err_msg=jax.tree_util.keystr(path))  # fmt: skip

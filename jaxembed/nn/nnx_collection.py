@@ -44,7 +44,7 @@ from jaxembed.kernels.arrays import place_table
 from jaxembed.kernels.collection import collection_lookup, collection_update
 from jaxembed.kernels.tables import is_quantized
 from jaxembed.nn.common import current_mesh
-from jaxembed.nn.nnx_dynamic import RemapState
+from jaxembed.nn.nnx_dynamic import RemapState, replicated_on
 from jaxembed.nn.nnx_embed import QuantizedStack, Table
 from jaxembed.nn.stacks import (
     auto_plan,
@@ -170,13 +170,14 @@ class EmbeddingBagCollection(nnx.Module):
         dynamic = dynamic_collection.dynamic_tables(self.layout)
         if dynamic:
             remaps = dynamic_collection.init_states(self.layout, mesh=mesh)
-            zero = jnp.zeros((), jnp.int32)
+            here = replicated_on(mesh)
+            zero = here(jnp.zeros((), jnp.int32))
             self.remaps = nnx.Dict({n: RemapState(v) for n, v in remaps.items()})
             self.remap_stats = nnx.Dict(
                 {t.name: RemapState(StepStats(*(zero,) * 6)) for _, t in dynamic}
             )
             self.remap_step = RemapState(zero)
-            self.reset_key = RemapState(jax.random.key_data(rngs.params()))
+            self.reset_key = RemapState(here(jax.random.key_data(rngs.params())))
 
     def _remap(self, batch: Mapping[str, Any], read_only: bool) -> tuple[dict, dict | None]:
         """The batch with the dynamic features' ids as rows; in training, one remap step

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn.linear import default_embed_init
 from flax.nnx.variablelib import VariableMetadata
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxembed import tape
 from jaxembed.dynamic.config import DynamicTableConfig, StepStats
@@ -48,12 +50,24 @@ from jaxembed.optim.dynamic import (
     rows_for,
 )
 
-__all__ = ["DynamicEmbed", "RemapState"]
+__all__ = ["DynamicEmbed", "RemapState", "replicated_on"]
 
 
 class RemapState(nnx.Variable):
     """A dynamic table's remap state, step, reset key or stats: checkpointed with the model,
     but no parameter (no optimizer or gradient filter treats it as trainable)."""
+
+
+def replicated_on(mesh: Any) -> Any:
+    """`x -> x` placed whole on every device of `mesh` (a concrete one, or `jax.set_mesh`'s),
+    so that a checkpoint restores it where the step runs; `x -> x` without a mesh."""
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        mesh = jax.sharding.get_mesh()
+        mesh = None if mesh.empty else mesh
+    if mesh is None or mesh.size == 1:
+        return lambda x: x
+    sharding = NamedSharding(mesh, P())
+    return lambda x: jax.device_put(x, sharding)
 
 
 def _raw(value: Any) -> Any:
@@ -147,9 +161,11 @@ class DynamicEmbed(nnx.Module):
         )  # fmt: skip
         self.embedding = Table(dyn.table, **metadata)
         self.remap = RemapState(dyn.state)
-        self.step = RemapState(jnp.zeros((), jnp.int32))
-        self.reset_key = RemapState(jax.random.key_data(rngs.params()))
-        self.stats = RemapState(StepStats(*(jnp.zeros((), jnp.int32),) * len(StepStats._fields)))
+        here = replicated_on(mesh if on_mesh else None)
+        self.step = RemapState(here(jnp.zeros((), jnp.int32)))
+        self.reset_key = RemapState(here(jax.random.key_data(rngs.params())))
+        zero = here(jnp.zeros((), jnp.int32))
+        self.stats = RemapState(StepStats(*(zero,) * len(StepStats._fields)))
         self.config = config
         self.features = features
         self.initializer = _RowInit(embedding_init)
