@@ -121,6 +121,18 @@ class Twin:
         return refs, outs, loss
 
 
+def check_user_rows(twin, table, state, where):
+    """Every live user row and its accumulator equal the twin's (the user stack's rows are
+    the remap's rows)."""
+    table, acc = np.asarray(table), np.asarray(state.slots["accumulator"])
+    live = ~K.is_reserved(np.asarray(twin.state.keys))
+    for r in np.flatnonzero(live):
+        i = int(K.to_uint64(np.asarray(twin.state.keys)[r]))
+        np.testing.assert_allclose(table[r], twin.emb[i], rtol=2e-5, atol=1e-6,
+                                   err_msg=f"{where}: user row {r}")  # fmt: skip
+        np.testing.assert_allclose(acc[r], twin.acc[i], rtol=2e-5, err_msg=where)
+
+
 def make_step(layout, mesh):
     def step(stacks, states, remaps, head, batch, y, t):
         batch, stacks, states, remaps, stats = DC.prepare(
@@ -180,14 +192,7 @@ def test_a_dynamic_table_in_a_collection_trains_like_the_references(placement, d
             np.testing.assert_allclose(outs[f.name], want_outs[f.name], rtol=1e-5, atol=1e-6,
                                        err_msg=f"{where}: {f.name}")  # fmt: skip
         np.testing.assert_allclose(loss, want_loss, rtol=1e-5, err_msg=where)
-        table = np.asarray(stacks[user.index])
-        acc = np.asarray(states[user.index].slots["accumulator"])
-        live = ~K.is_reserved(np.asarray(twin.state.keys))
-        for r in np.flatnonzero(live):
-            i = int(K.to_uint64(np.asarray(twin.state.keys)[r]))
-            np.testing.assert_allclose(table[r], twin.emb[i], rtol=2e-5, atol=1e-6,
-                                       err_msg=f"{where}: user row {r}")  # fmt: skip
-            np.testing.assert_allclose(acc[r], twin.acc[i], rtol=2e-5, err_msg=where)
+        check_user_rows(twin, stacks[user.index], states[user.index], where)
         item_stack = layout.stack_of("item").index
         items = unstack(layout, {item_stack: stacks[item_stack]})["item"]
         np.testing.assert_allclose(items, twin.items, rtol=2e-5, atol=1e-6, err_msg=where)
@@ -336,14 +341,8 @@ def test_the_nnx_collection_trains_a_dynamic_table_like_the_references(placement
         got_stats = [int(x) for x in net.coll.remap_stats["user"].get_value()]
         np.testing.assert_array_equal(got_stats, want_stats, where)
         np.testing.assert_allclose(loss, want_loss, rtol=1e-5, err_msg=where)
-        table = np.asarray(net.coll.stacks[user.name][...])
-        acc = np.asarray(sparse.states["coll"][user.index].slots["accumulator"])
-        live = ~K.is_reserved(np.asarray(twin.state.keys))
-        for r in np.flatnonzero(live):
-            i = int(K.to_uint64(np.asarray(twin.state.keys)[r]))
-            np.testing.assert_allclose(table[r], twin.emb[i], rtol=2e-5, atol=1e-6,
-                                       err_msg=f"{where}: user row {r}")  # fmt: skip
-            np.testing.assert_allclose(acc[r], twin.acc[i], rtol=2e-5, err_msg=where)
+        check_user_rows(twin, net.coll.stacks[user.name][...], sparse.states["coll"][user.index],
+                        where)  # fmt: skip
         np.testing.assert_allclose(net.coll.tables()["item"], twin.items, rtol=2e-5, atol=1e-6,
                                    err_msg=where)  # fmt: skip
         if mesh is not None:

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxembed.kernels.arrays import is_explicit
+from jaxembed.kernels.lookup import lookup
 
 __all__ = [
     "IDS_ADVICE",
@@ -30,6 +31,7 @@ __all__ = [
     "batch_hint",
     "check_mesh_names",
     "current_mesh",
+    "dynamic_rows_lookup",
     "names_mesh_axes",
     "out_spec_like_batch",
     "pad_rows",
@@ -197,3 +199,19 @@ def _caller_level() -> int:
     while frame is not None and frame.f_globals.get("__name__", "").startswith(_INTERNAL):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def dynamic_rows_lookup(
+    rows: jax.Array, table: jax.Array, capacity: int, mesh: Any, spec: Any, exchange: str,
+    inputs_sharding: Any, *, recording: bool, function: str,
+) -> tuple[jax.Array, dict[str, Any]]:  # fmt: skip
+    """A dynamic table's lookup of its remapped rows (`capacity`: no row, reads zeros, eagerly
+    too), the table held constant while a training helper records; and the lookup's static
+    arguments, which the row-sparse update takes again."""
+    static = dict(
+        vocab_size=capacity, mesh=mesh, weight_spec=spec, exchange=exchange,
+        x_hint=batch_hint(inputs_sharding, current_mesh(mesh)),
+    )  # fmt: skip
+    out = lookup(rows, jax.lax.stop_gradient(table) if recording else table, **static,
+                 function=function, check_ids=False)  # fmt: skip
+    return out, static

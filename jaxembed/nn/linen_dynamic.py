@@ -31,8 +31,7 @@ from flax.linen.linear import default_embed_init
 
 from jaxembed import tape
 from jaxembed.dynamic.config import DynamicTableConfig, StepStats
-from jaxembed.kernels.lookup import lookup
-from jaxembed.nn.common import batch_hint, check_mesh_names, current_mesh
+from jaxembed.nn.common import check_mesh_names, dynamic_rows_lookup
 from jaxembed.nn.linen_embed import box_layout
 from jaxembed.optim.dynamic import IMPLS, DynamicTable, init_table, remap_table, rows_for
 
@@ -176,14 +175,9 @@ class DynamicEmbed(nn.Module):
                 check_ids=False,
             )  # fmt: skip
             table, remap.value, step.value = dyn.table, dyn.state, t + 1
-        recording = tape.active() is not None
-        static = dict(
-            vocab_size=cfg.capacity, mesh=mesh, weight_spec=spec, exchange=self.exchange,
-            x_hint=batch_hint(inputs_sharding, current_mesh(mesh)),
-        )  # fmt: skip
-        out = lookup(
-            rows, jax.lax.stop_gradient(table) if recording else table, **static,
-            function="jaxembed.flax.DynamicEmbed", check_ids=False,
+        out, static = dynamic_rows_lookup(
+            rows, table, cfg.capacity, mesh, spec, self.exchange, inputs_sharding,
+            recording=tape.active() is not None, function="jaxembed.flax.DynamicEmbed",
         )  # fmt: skip
         if reset is None:
             return out

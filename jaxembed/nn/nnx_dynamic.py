@@ -38,8 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxembed import tape
 from jaxembed.dynamic.config import DynamicTableConfig, StepStats
-from jaxembed.kernels.lookup import lookup
-from jaxembed.nn.common import batch_hint, check_mesh_names, current_mesh
+from jaxembed.nn.common import check_mesh_names, current_mesh, dynamic_rows_lookup
 from jaxembed.nn.nnx_embed import Table, metadata_mesh, metadata_spec
 from jaxembed.optim.dynamic import (
     IMPLS,
@@ -218,14 +217,9 @@ class DynamicEmbed(nnx.Module):
             self.remap.set_value(dyn.state)
             self.step.set_value(self.step.get_value() + 1)
             self.stats.set_value(stats)
-        recording = tape.active() is not None
-        static = dict(
-            vocab_size=cfg.capacity, mesh=mesh, weight_spec=spec, exchange=self.exchange,
-            x_hint=batch_hint(inputs_sharding, current_mesh(mesh)),
-        )  # fmt: skip
-        out = lookup(
-            rows, jax.lax.stop_gradient(table) if recording else table, **static,
-            function="jaxembed.nnx.DynamicEmbed", check_ids=False,
+        out, static = dynamic_rows_lookup(
+            rows, table, cfg.capacity, mesh, spec, self.exchange, inputs_sharding,
+            recording=tape.active() is not None, function="jaxembed.nnx.DynamicEmbed",
         )  # fmt: skip
         if reset is None:  # evaluation: nothing to train
             return out
