@@ -12,6 +12,9 @@ with the user table's rows over 8 devices, and replicated on 8. The planner coun
 state and places a dynamic table only "rows" or "replicated"; bad configs raise.
 """
 
+import contextlib
+
+import flax.linen as linen
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +25,7 @@ from jax.sharding import NamedSharding
 from test_dynamic_table import BAGS, INIT, KEY, LR, LR_HEAD, SPREAD, H, config
 
 import jaxembed
+import jaxembed.flax
 import jaxembed.nnx
 from jaxembed.collection import FeatureConfig, TableConfig, layout_collection
 from jaxembed.dynamic import keys as K
@@ -280,13 +284,90 @@ def test_jaxembed_plan_reads_dynamic_tables(tmp_path, capsys):
     assert "tables[1]" in err and "fifo" in err, err
 
 
-def test_the_linen_collection_refuses_dynamic_tables():
-    import jaxembed.flax
+class LinenNet(linen.Module):
+    layout_tables: tuple
 
-    t = TableConfig("user", 16, H, dynamic=DynamicTableConfig(capacity=16, bucket_size=4))
-    f = [FeatureConfig("u", "user")]
-    with pytest.raises(ValueError, match=r"jaxembed\.nnx\.EmbeddingBagCollection"):
-        jaxembed.flax.EmbeddingBagCollection([t], f).init(jax.random.key(0), {"u": jnp.zeros(2)})
+    @linen.compact
+    def __call__(self, batch):
+        coll = jaxembed.flax.EmbeddingBagCollection(self.layout_tables, FEATURES, name="coll")
+        w = self.param("w", lambda _: jnp.linspace(-1, 1, 3 * H))
+        b = self.param("b", lambda _: jnp.float32(0.25))
+        return coll.concat(coll(batch)) @ w + b
+
+
+@pytest.mark.parametrize("devices", [1, 8])
+def test_the_linen_collection_trains_a_dynamic_table_like_the_references(devices):
+    cfg = config("lfu")
+    mesh = jax.make_mesh((8,), ("model",)) if devices == 8 else None
+    model = LinenNet(tuple(tables("rows", cfg)))
+    batches = [({n: K.as_keys(v, check=False) if n != "item" else jnp.asarray(v)
+                 for n, v in raw.items()}, raw, y) for raw, y in stream()]  # fmt: skip
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        variables = model.init(jax.random.key(0), batches[0][0])
+        params, dyn = variables["params"], dict(variables["dynamic"]["coll"])
+        layout = jaxembed.flax.EmbeddingBagCollection(tuple(tables("rows", cfg)), FEATURES,
+                                                      mesh=mesh).layout  # fmt: skip
+        user, item = layout.stack_of("user"), layout.stack_of("item")
+        box = params["coll"][item.name]
+        item_stack = build_stack(layout, item, {"item": ITEM_INIT})
+        if mesh is not None:
+            item_stack = jax.device_put(item_stack, NamedSharding(mesh, item.spec))
+        params = {
+            **params,
+            "coll": {
+                **params["coll"],
+                item.name: box.replace_boxed(item_stack)
+                if isinstance(box, linen.Partitioned)
+                else item_stack,
+            },
+        }
+        dyn["reset_key"] = jax.device_put(jax.random.key_data(KEY), dyn["reset_key"].sharding)
+        assert int(dyn["step"]) == 0 and (np.asarray(unbox(params["coll"][user.name])) == 0).all()
+
+        def loss_fn(params, dyn, batch, y):
+            out, upd = model.apply({"params": params, "dynamic": {"coll": dyn}}, batch,
+                                   mutable=["dynamic"])  # fmt: skip
+            return jnp.mean((out - y) ** 2), upd["dynamic"]["coll"]
+
+        y0 = jnp.zeros(BAGS)
+        mask = jaxembed.flax.dense_mask(loss_fn, params, dyn, batches[0][0], y0)
+        tx = optax.masked(optax.sgd(LR_HEAD), mask)
+        opt_state = tx.init(params)
+        sparse = jaxembed.flax.init_sparse(OPT, loss_fn, params, dyn, batches[0][0], y0)
+
+        @jax.jit
+        def step(params, dyn, opt_state, sparse, batch, y):
+            (loss, dyn), grads = jaxembed.flax.value_and_grad(loss_fn, has_aux=True)(
+                params, dyn, batch, y)  # fmt: skip
+            updates, opt_state = tx.update(grads.dense, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            params, sparse = jaxembed.flax.sparse_update(OPT, sparse, params, grads)
+            return params, dyn, opt_state, sparse, loss
+
+        twin = Twin(cfg, [t.name for t in layout.tables].index("user"))
+        for t, (batch, raw, y) in enumerate(batches):
+            params, dyn, opt_state, sparse, loss = step(params, dyn, opt_state, sparse, batch,
+                                                        jnp.asarray(y))  # fmt: skip
+            refs, _, want_loss = twin.step(raw, y, t)
+            where = f"linen {devices} step {t}"
+            for name in DynamicState._fields:
+                np.testing.assert_array_equal(
+                    getattr(dyn["remap_user"], name), getattr(twin.state, name), err_msg=where
+                )
+            want_stats = np.sum([np.array(r.stats) for r in refs], 0)
+            np.testing.assert_array_equal([int(x) for x in dyn["stats_user"]], want_stats, where)
+            np.testing.assert_allclose(loss, want_loss, rtol=1e-5, err_msg=where)
+            check_user_rows(twin, unbox(params["coll"][user.name]), sparse["coll"][user.index],
+                            where)  # fmt: skip
+            items = unstack(layout, {item.index: unbox(params["coll"][item.name])})["item"]
+            np.testing.assert_allclose(items, twin.items, rtol=2e-5, atol=1e-6, err_msg=where)
+        # a training call without the mutable collection is refused, naming it
+        with pytest.raises(ValueError, match=r"mutable=\['dynamic'\]"):
+            model.apply({"params": params, "dynamic": {"coll": dyn}}, batches[0][0])
+
+
+def unbox(x):
+    return x.value if isinstance(x, linen.Partitioned) else x
 
 
 class Net(nnx.Module):

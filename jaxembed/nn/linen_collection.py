@@ -39,10 +39,12 @@ from jaxembed import tape
 from jaxembed.collection.checks import check_exported_optimizer, check_tables
 from jaxembed.collection.config import FeatureConfig, TableConfig
 from jaxembed.collection.layout import CollectionLayout, layout_collection
+from jaxembed.dynamic.config import StepStats
 from jaxembed.kernels.arrays import place_table
 from jaxembed.kernels.collection import collection_lookup
 from jaxembed.kernels.tables import is_quantized
 from jaxembed.nn.common import current_mesh
+from jaxembed.nn.nnx_dynamic import replicated_on
 from jaxembed.nn.stacks import (
     auto_plan,
     build_stack,
@@ -53,6 +55,7 @@ from jaxembed.nn.stacks import (
     quantize_stacks,
     unstack,
 )
+from jaxembed.optim import dynamic_collection
 
 __all__ = ["EmbeddingBagCollection", "embed_tables", "find_params", "replace_params"]
 
@@ -61,17 +64,19 @@ def _auto_plan(tables, features, mesh, placements, planner):
     """`auto_plan`, cached: a Linen module's properties are recomputed on every access."""
     if not (isinstance(placements, str) and placements == "auto"):
         return auto_plan(tables, features, mesh, placements, None if planner is None else
-                         dict(planner))  # fmt: skip
+                         dict(planner), allow_dynamic=True)  # fmt: skip
     try:
         hash((tables, features, mesh, planner))
     except TypeError:  # e.g. id_stats: planned again on each use
-        return auto_plan(tables, features, mesh, placements, dict(planner or ()))
+        return auto_plan(tables, features, mesh, placements, dict(planner or ()),
+                         allow_dynamic=True)  # fmt: skip
     return _cached_plan(tables, features, mesh, planner)
 
 
 @functools.lru_cache(maxsize=32)
 def _cached_plan(tables, features, mesh, planner):
-    return auto_plan(tables, features, mesh, "auto", None if planner is None else dict(planner))
+    return auto_plan(tables, features, mesh, "auto", None if planner is None else dict(planner),
+                     allow_dynamic=True)  # fmt: skip
 
 
 def _keys_text(node: Any) -> str:
@@ -229,6 +234,10 @@ class EmbeddingBagCollection(nn.Module):
       tables, features, mesh, placements, planner, x_sharding, exchange: as
         `jaxembed.nnx.EmbeddingBagCollection`'s arguments (`placements="auto"` plans once
         per module definition: `plan` is the result).
+      deterministic: with dynamic tables (`TableConfig.dynamic`), read-only lookups. Their
+        remap states, step, reset key and stats are the `"dynamic"` collection; a training
+        call needs `apply(..., mutable=["dynamic"])`, and `jaxembed.flax.sparse_update`
+        resets the step's rows of the stacks and optimizer states (docs/dynamic.md).
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -251,6 +260,7 @@ class EmbeddingBagCollection(nn.Module):
     planner: Any = None
     x_sharding: Any = None
     exchange: str = "auto"
+    deterministic: bool = False
 
     @property
     def plan(self) -> Any:
@@ -301,6 +311,9 @@ class EmbeddingBagCollection(nn.Module):
             for name in stack.tables:
                 t = configs[name]
                 init_fn = t.initializer or default_embed_init
+                if t.dynamic is not None:  # every row is initialised when an id is admitted
+                    values[name] = jnp.zeros((t.vocab_size, t.dim), t.dtype)
+                    continue
                 values[name] = init_fn(
                     jax.random.fold_in(key, order[name]), (t.vocab_size, t.dim), t.dtype
                 )
@@ -316,8 +329,17 @@ class EmbeddingBagCollection(nn.Module):
 
     @nn.compact
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
-        """Every feature's output (see `jaxembed.nnx.EmbeddingBagCollection.__call__`)."""
+        """Every feature's output (see `jaxembed.nnx.EmbeddingBagCollection.__call__`).
+
+        With dynamic tables, a training call (`deterministic` False, the default) remaps
+        their features and needs `apply(..., mutable=["dynamic"])`; `init` admits nothing.
+        """
         stacks = self._stack_params()
+        layout = self.layout
+        dynamic = dynamic_collection.dynamic_tables(layout)
+        remap_info = None
+        if dynamic:
+            batch, stacks, remap_info = self._remap(layout, dynamic, stacks, batch)
         if tape.active() is not None:
             stacks = jax.lax.stop_gradient(stacks)
         x_spec = None if self.x_sharding is None else P(*self.x_sharding)
@@ -328,7 +350,52 @@ class EmbeddingBagCollection(nn.Module):
         static = {"layout": self.layout, "mesh": current_mesh(self.mesh), "x_spec": x_spec,
                   "exchange": self._exchange}  # fmt: skip
         ours = {f.name: batch[f.name] for f in self.layout.features}
+        if remap_info is not None:  # what sparse_update needs to reset as this step did
+            resets, t, key = remap_info
+            return tape.tap(self, "/".join(self.path), "collection", out,
+                            (ours, resets, t, key), {**static, "dynamic": True})  # fmt: skip
         return tape.tap(self, "/".join(self.path), "collection", out, ours, static)
+
+    def _remap(self, layout, dynamic, stacks, batch):
+        """The dynamic features' rows, the stacks as the step's resets left them (a copy:
+        `apply` keeps no write to `params`), and `(resets, t, key data)` in training."""
+        mesh = current_mesh(self.mesh)
+        here = replicated_on(mesh)
+        zero = jnp.zeros((), jnp.int32)
+        remaps = {t.name: self.variable("dynamic", f"remap_{t.name}",
+                                        lambda t=t: dynamic_collection.init_states(
+                                            layout, mesh=mesh)[t.name])
+                  for _, t in dynamic}  # fmt: skip
+        stats = {t.name: self.variable("dynamic", f"stats_{t.name}",
+                                       lambda: StepStats(*(here(zero),) * 6))
+                 for _, t in dynamic}  # fmt: skip
+        step = self.variable("dynamic", "step", lambda: here(zero))
+        reset_key = self.variable(
+            "dynamic", "reset_key", lambda: here(jax.random.key_data(self.make_rng("params")))
+        )
+        values = {name: v.value for name, v in remaps.items()}
+        if self.deterministic or self.is_initializing():
+            rows = dynamic_collection.read_rows(layout, values, batch, mesh=mesh,
+                                                check_ids=False)  # fmt: skip
+            return rows, stacks, None
+        if not self.is_mutable_collection("dynamic"):
+            raise ValueError(
+                "jaxembed.flax.EmbeddingBagCollection: a training call remaps the dynamic "
+                "tables' ids (admission, eviction) and so writes the 'dynamic' collection: "
+                "apply the model with mutable=['dynamic'] (and keep the returned updates), or "
+                "build it with deterministic=True for read-only lookups"
+            )
+        t = step.value
+        batch, stacks, values, new_stats, resets = dynamic_collection.remap_collection(
+            layout, stacks, values, batch, t, key=jax.random.wrap_key_data(reset_key.value),
+            mesh=mesh, check_ids=False,
+        )  # fmt: skip
+        for name, v in remaps.items():
+            v.value = values[name]
+        for name, v in stats.items():
+            v.value = new_stats[name]
+        step.value = t + 1
+        return batch, stacks, (resets, t, reset_key.value)
 
     def concat(self, outputs: Mapping[str, jax.Array]) -> jax.Array:
         """The pooled features' outputs side by side, `[B, Σ dim]`, in feature order."""

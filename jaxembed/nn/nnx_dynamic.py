@@ -61,7 +61,10 @@ def replicated_on(mesh: Any) -> Any:
     """`x -> x` placed whole on every device of `mesh` (a concrete one, or `jax.set_mesh`'s),
     so that a checkpoint restores it where the step runs; `x -> x` without a mesh."""
     if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
-        mesh = jax.sharding.get_mesh()
+        try:
+            mesh = jax.sharding.get_mesh()
+        except ValueError:  # traced (under `jit`): the program lays its values out
+            return lambda x: x
         mesh = None if mesh.empty else mesh
     if mesh is None or mesh.size == 1:
         return lambda x: x

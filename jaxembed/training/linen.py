@@ -37,6 +37,7 @@ from jaxembed.kernels.collection import collection_update
 from jaxembed.kernels.update import after
 from jaxembed.nn.linen_collection import find_params, replace_params
 from jaxembed.optim.dynamic import reset_table_rows
+from jaxembed.optim.dynamic_collection import DEFAULT_INITIALIZER, dynamic_tables
 from jaxembed.training.common import Grads, argnums_tuple
 
 __all__ = [
@@ -258,6 +259,23 @@ def dense_mask(fn: Callable[..., Any], params: Any, *args, **kwargs) -> Any:
     )
 
 
+def _reset_dynamic_stacks(layout, optimizer, tables, states, resets, t, key, mesh):
+    """The dynamic stacks' and their states' reset rows afresh, as the step's remap set them:
+    table i's rows drew from `fold_in(key, i)` (`jaxembed.optim.dynamic_collection`)."""
+    tables, states = dict(tables), dict(states)
+    key = jax.random.wrap_key_data(key)
+    for index, t_cfg in dynamic_tables(layout):
+        stack = layout.stack_of(t_cfg.name)
+        if stack.index not in resets:
+            continue
+        tables[stack.index], states[stack.index] = reset_table_rows(
+            t_cfg.dynamic, tables[stack.index], optimizer, states[stack.index],
+            resets[stack.index], t, initializer=t_cfg.initializer or DEFAULT_INITIALIZER,
+            key=jax.random.fold_in(key, index), mesh=mesh, weight_spec=stack.spec,
+        )  # fmt: skip
+    return tables, states
+
+
 def sparse_update(optimizer: Any, states: dict, params: Any, grads: Grads) -> tuple[Any, dict]:
     """Updates the rows each lookup of the step read; returns the new params and states.
 
@@ -327,9 +345,15 @@ def sparse_update(optimizer: Any, states: dict, params: Any, grads: Grads) -> tu
         static = record.static
         layout = static["layout"]
         check_states(layout, optimizer, states[record.key], what="sparse_update")
+        state = states[record.key]
+        if static.get("dynamic"):  # the step's reset rows afresh (apply kept no write)
+            operands, resets, t, key = operands
+            tables, state = _reset_dynamic_stacks(
+                layout, optimizer, tables, state, resets, t, key, static["mesh"]
+            )
         check_out_grads(layout, operands, out_grad, what="sparse_update")
         new, states[record.key] = collection_update(
-            layout, optimizer, tables, states[record.key], operands, out_grad,
+            layout, optimizer, tables, state, operands, out_grad,
             mesh=static["mesh"], x_spec=static["x_spec"], exchange=static["exchange"],
         )  # fmt: skip
         params = replace_params(params, keys, {s.name: new[s.index] for s in layout.stacks})
