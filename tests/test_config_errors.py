@@ -241,7 +241,7 @@ def test_a_table_entry_without_dim_names_the_file_the_entry_and_the_key(tmp_path
         ValueError,
         match=r"tables\.json: tables\[1\] \('item'\) is missing the key \['dim'\]: an entry "
         r"takes \['name', 'vocab_size', 'dim'\] and optionally \['placement', 'axes', "
-        r"'row_sharding', 'dtype'\]",
+        r"'row_sharding', 'dtype', 'dynamic'\]",
     ):
         load_tables_json(path)
 
