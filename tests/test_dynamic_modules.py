@@ -27,7 +27,7 @@ import jaxembed.flax
 import jaxembed.nnx
 from jaxembed.dynamic import keys as K
 from jaxembed.dynamic.config import DynamicState, DynamicTableConfig
-from jaxembed.nn.nnx_dynamic import replicated_on
+from jaxembed.nn.common import replicated_on
 
 
 class Net(nnx.Module):
@@ -353,6 +353,8 @@ def test_remap_then_reset_gives_prepares_bits(layout):
         state = jax.tree.map(lambda a: a + 1 if a.ndim else a, want_state)
     with pytest.raises(TypeError, match="reset_rows must be the int32"):
         D.reset_optimizer_rows(cfg, dyn.table, opt, state, np.zeros(3, np.float32))
+    with pytest.raises(TypeError, match="int64"):  # row numbers are never narrowed
+        D.reset_optimizer_rows(cfg, dyn.table, opt, state, np.zeros(3, np.int64))
     with pytest.raises(ValueError, match="1-D"):
         D.reset_optimizer_rows(cfg, dyn.table, opt, state, np.zeros((2, 3), np.int32))
     with pytest.raises(TypeError, match="RowSparseOptimizer"):

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax.core import meta as linen_meta
 from flax.core import spmd as core_spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -27,6 +28,7 @@ from jaxembed.kernels.lookup import lookup
 
 __all__ = [
     "IDS_ADVICE",
+    "RowInitializer",
     "as_spec",
     "batch_hint",
     "check_mesh_names",
@@ -36,6 +38,7 @@ __all__ = [
     "out_spec_like_batch",
     "pad_rows",
     "padded_rows",
+    "replicated_on",
     "resolve_exchange",
     "tied_logits",
 ]
@@ -215,3 +218,42 @@ def dynamic_rows_lookup(
     out = lookup(rows, jax.lax.stop_gradient(table) if recording else table, **static,
                  function=function, check_ids=False)  # fmt: skip
     return out, static
+
+
+class RowInitializer:
+    """A dynamic table's initializer as its reset rows call it: `init` without the
+    partitioning box it may return (NNX's `VariableMetadata`, Linen's `nn.Partitioned`,
+    unboxed with no sharding constraint), equal for equal initializers, so that they give one
+    compiled step."""
+
+    def __init__(self, init: Any):
+        self.init = init
+
+    def __call__(self, key, shape, dtype=jnp.float32):
+        value = self.init(key, shape, dtype)
+        if hasattr(value, "raw_value"):  # nnx.with_partitioning's VariableMetadata
+            return value.raw_value
+        if isinstance(value, linen_meta.Partitioned):  # nn.with_partitioning's box
+            return value.value
+        return value
+
+    def __eq__(self, other):
+        return isinstance(other, RowInitializer) and other.init == self.init
+
+    def __hash__(self):
+        return hash(self.init)
+
+
+def replicated_on(mesh: Any) -> Any:
+    """`x -> x` placed whole on every device of `mesh` (a concrete one, or `jax.set_mesh`'s),
+    so that a checkpoint restores it where the step runs; `x -> x` without a mesh, or traced."""
+    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+        try:
+            mesh = jax.sharding.get_mesh()
+        except ValueError:  # traced (under `jit`): the program lays its values out
+            return lambda x: x
+        mesh = None if mesh.empty else mesh
+    if mesh is None or mesh.size == 1:
+        return lambda x: x
+    sharding = NamedSharding(mesh, P())
+    return lambda x: jax.device_put(x, sharding)

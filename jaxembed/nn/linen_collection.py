@@ -43,8 +43,7 @@ from jaxembed.dynamic.config import StepStats
 from jaxembed.kernels.arrays import place_table
 from jaxembed.kernels.collection import collection_lookup
 from jaxembed.kernels.tables import is_quantized
-from jaxembed.nn.common import current_mesh
-from jaxembed.nn.nnx_dynamic import replicated_on
+from jaxembed.nn.common import current_mesh, replicated_on
 from jaxembed.nn.stacks import (
     auto_plan,
     build_stack,
@@ -64,19 +63,17 @@ def _auto_plan(tables, features, mesh, placements, planner):
     """`auto_plan`, cached: a Linen module's properties are recomputed on every access."""
     if not (isinstance(placements, str) and placements == "auto"):
         return auto_plan(tables, features, mesh, placements, None if planner is None else
-                         dict(planner), allow_dynamic=True)  # fmt: skip
+                         dict(planner))  # fmt: skip
     try:
         hash((tables, features, mesh, planner))
     except TypeError:  # e.g. id_stats: planned again on each use
-        return auto_plan(tables, features, mesh, placements, dict(planner or ()),
-                         allow_dynamic=True)  # fmt: skip
+        return auto_plan(tables, features, mesh, placements, dict(planner or ()))
     return _cached_plan(tables, features, mesh, planner)
 
 
 @functools.lru_cache(maxsize=32)
 def _cached_plan(tables, features, mesh, planner):
-    return auto_plan(tables, features, mesh, "auto", None if planner is None else dict(planner),
-                     allow_dynamic=True)  # fmt: skip
+    return auto_plan(tables, features, mesh, "auto", None if planner is None else dict(planner))
 
 
 def _keys_text(node: Any) -> str:

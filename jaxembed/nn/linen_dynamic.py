@@ -31,29 +31,11 @@ from flax.linen.linear import default_embed_init
 
 from jaxembed import tape
 from jaxembed.dynamic.config import DynamicTableConfig, StepStats
-from jaxembed.nn.common import check_mesh_names, dynamic_rows_lookup
+from jaxembed.nn.common import RowInitializer, check_mesh_names, dynamic_rows_lookup
 from jaxembed.nn.linen_embed import box_layout
 from jaxembed.optim.dynamic import IMPLS, DynamicTable, init_table, remap_table, rows_for
 
 __all__ = ["DynamicEmbed"]
-
-
-class _Unboxed:
-    """`init` without its partitioning box, as the reset rows call it (equal for equal
-    initializers, so that they give one compiled step)."""
-
-    def __init__(self, init: Any):
-        self.init = init
-
-    def __call__(self, key, shape, dtype=jnp.float32):
-        value = self.init(key, shape, dtype)
-        return value.value if isinstance(value, nn.Partitioned) else value  # no constraint
-
-    def __eq__(self, other):
-        return isinstance(other, _Unboxed) and other.init == self.init
-
-    def __hash__(self):
-        return hash(self.init)
 
 
 class DynamicEmbed(nn.Module):
@@ -170,7 +152,7 @@ class DynamicEmbed(nn.Module):
             key = jax.random.wrap_key_data(reset_key.value)
             t = step.value
             rows, dyn, reset, stats.value = remap_table(
-                cfg, DynamicTable(table, remap.value), ids, t, initializer=_Unboxed(
+                cfg, DynamicTable(table, remap.value), ids, t, initializer=RowInitializer(
                     self.embedding_init), key=key, impl=self.impl, mesh=mesh, weight_spec=spec,
                 check_ids=False,
             )  # fmt: skip
@@ -182,7 +164,7 @@ class DynamicEmbed(nn.Module):
         if reset is None:
             return out
         # What sparse_update needs to reset the stored table as this step did.
-        dynamic = dict(config=cfg, initializer=_Unboxed(self.embedding_init))
+        dynamic = dict(config=cfg, initializer=RowInitializer(self.embedding_init))
         operands = (rows, reset, t, reset_key.value)
         return tape.tap(self, "/".join(self.path), "dynamic", out, operands,
                         {**static, "dynamic": dynamic})  # fmt: skip

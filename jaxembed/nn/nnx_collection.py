@@ -43,8 +43,8 @@ from jaxembed.dynamic.config import StepStats
 from jaxembed.kernels.arrays import place_table
 from jaxembed.kernels.collection import collection_lookup, collection_update
 from jaxembed.kernels.tables import is_quantized
-from jaxembed.nn.common import current_mesh
-from jaxembed.nn.nnx_dynamic import RemapState, replicated_on
+from jaxembed.nn.common import current_mesh, replicated_on
+from jaxembed.nn.nnx_dynamic import RemapState
 from jaxembed.nn.nnx_embed import QuantizedStack, Table
 from jaxembed.nn.stacks import (
     auto_plan,
@@ -141,7 +141,7 @@ class EmbeddingBagCollection(nnx.Module):
         rngs: nnx.Rngs,
     ):
         mesh = current_mesh(mesh)
-        placements = auto_plan(tables, features, mesh, placements, planner, allow_dynamic=True)
+        placements = auto_plan(tables, features, mesh, placements, planner)
         self.plan = placements if hasattr(placements, "table_configs") else None
         tables, exchange = planned(tables, placements, exchange)
         self.layout = layout_collection(tables, features, mesh, getattr(

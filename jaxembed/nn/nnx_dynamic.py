@@ -33,12 +33,16 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn.linear import default_embed_init
 from flax.nnx.variablelib import VariableMetadata
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxembed import tape
 from jaxembed.dynamic.config import DynamicTableConfig, StepStats
-from jaxembed.nn.common import check_mesh_names, current_mesh, dynamic_rows_lookup
+from jaxembed.nn.common import (
+    RowInitializer,
+    check_mesh_names,
+    current_mesh,
+    dynamic_rows_lookup,
+    replicated_on,
+)
 from jaxembed.nn.nnx_embed import Table, metadata_mesh, metadata_spec
 from jaxembed.optim.dynamic import (
     IMPLS,
@@ -49,47 +53,12 @@ from jaxembed.optim.dynamic import (
     rows_for,
 )
 
-__all__ = ["DynamicEmbed", "RemapState", "replicated_on"]
+__all__ = ["DynamicEmbed", "RemapState"]
 
 
 class RemapState(nnx.Variable):
     """A dynamic table's remap state, step, reset key or stats: checkpointed with the model,
     but no parameter (no optimizer or gradient filter treats it as trainable)."""
-
-
-def replicated_on(mesh: Any) -> Any:
-    """`x -> x` placed whole on every device of `mesh` (a concrete one, or `jax.set_mesh`'s),
-    so that a checkpoint restores it where the step runs; `x -> x` without a mesh."""
-    if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
-        try:
-            mesh = jax.sharding.get_mesh()
-        except ValueError:  # traced (under `jit`): the program lays its values out
-            return lambda x: x
-        mesh = None if mesh.empty else mesh
-    if mesh is None or mesh.size == 1:
-        return lambda x: x
-    sharding = NamedSharding(mesh, P())
-    return lambda x: jax.device_put(x, sharding)
-
-
-def _raw(value: Any) -> Any:
-    return value.raw_value if isinstance(value, VariableMetadata) else value
-
-
-class _RowInit:
-    """`embedding_init` without its partitioning metadata, as the reset rows call it."""
-
-    def __init__(self, init: Any):
-        self.init = init
-
-    def __call__(self, key, shape, dtype=jnp.float32):
-        return _raw(self.init(key, shape, dtype))
-
-    def __eq__(self, other):  # one compiled step for equal initializers
-        return isinstance(other, _RowInit) and other.init == self.init
-
-    def __hash__(self):
-        return hash(self.init)
 
 
 class DynamicEmbed(nnx.Module):
@@ -170,7 +139,7 @@ class DynamicEmbed(nnx.Module):
         self.stats = RemapState(StepStats(*(zero,) * len(StepStats._fields)))
         self.config = config
         self.features = features
-        self.initializer = _RowInit(embedding_init)
+        self.initializer = RowInitializer(embedding_init)
         self.impl = impl
         self.exchange = exchange
         self.deterministic = deterministic

@@ -200,21 +200,10 @@ def concat_features(layout: CollectionLayout, outputs: Mapping[str, jax.Array]) 
     return jnp.concatenate(pooled, axis=-1)
 
 
-def auto_plan(
-    tables, features, mesh, placements: Any, planner: Mapping[str, Any] | None,
-    allow_dynamic: bool = False,
-):  # fmt: skip
+def auto_plan(tables, features, mesh, placements: Any, planner: Mapping[str, Any] | None):
     """`placements="auto"`: the `jaxembed.plan_collection` result for `planner`'s budget
     (`batch_size`, `memory_per_device`, and optionally `optimizer`, `id_stats`, `backend`);
-    any other `placements` as given. Without `allow_dynamic`, refuses dynamic tables."""
-    dynamic = [t.name for t in tables if getattr(t, "dynamic", None) is not None]
-    if dynamic and not allow_dynamic:
-        raise ValueError(
-            f"tables {dynamic} are dynamic (TableConfig.dynamic), which the Linen collection "
-            "does not train yet: use jaxembed.nnx.EmbeddingBagCollection, or "
-            "jaxembed.optim.dynamic_collection.prepare with collection_lookup / "
-            "collection_update, or a jaxembed.flax.DynamicEmbed per dynamic table"
-        )
+    any other `placements` as given."""
     if not (isinstance(placements, str) and placements == "auto"):
         if planner:
             raise ValueError(

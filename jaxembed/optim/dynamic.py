@@ -327,16 +327,9 @@ def _run_reset(s: _Static, reset, key, t, table, leaves, fresh):
         return (None if table is None else typed_like(new_table, table)), new
     mesh, rep = lay.mesh, P()
     reset, fresh = move(reset, mesh, rep), tuple(move(f, mesh, rep) for f in fresh)
-    if table is None:
-        body = lambda r, ls, fs: _reset(s, r, None, None, None, tuple(ls), fs)[1]
-        run = jax.shard_map(
-            body, mesh=mesh, in_specs=(rep, lay.leaf_specs, (rep,) * len(fresh)),
-            out_specs=lay.leaf_specs, check_vma=False,
-        )  # fmt: skip
-        return None, run(reset, tuple(leaves), fresh)
-    body = lambda r, k, tt, tb, ls, fs: _reset(s, r, k, tt, tb, tuple(ls), fs)
-    run = jax.shard_map(
-        body, mesh=mesh,
+    run = jax.shard_map(  # a None table, key or step is an empty pytree: its spec spans none
+        lambda r, k, tt, tb, ls, fs: _reset(s, r, k, tt, tb, tuple(ls), fs),
+        mesh=mesh,
         in_specs=(rep, rep, rep, lay.table_spec, lay.leaf_specs, (rep,) * len(fresh)),
         out_specs=(lay.table_spec, lay.leaf_specs), check_vma=False,
     )  # fmt: skip
@@ -512,7 +505,7 @@ def remap_table(
 
 def _check_reset_rows(reset_rows: Any) -> jax.Array:
     dtype = getattr(reset_rows, "dtype", None)
-    if dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+    if dtype is None or np.dtype(dtype) != np.int32:  # row numbers: never narrowed here
         raise TypeError(
             f"reset_rows must be the int32 reset rows remap_table returned, got "
             f"{type(reset_rows).__name__} of dtype {dtype}"
@@ -522,7 +515,7 @@ def _check_reset_rows(reset_rows: Any) -> jax.Array:
             f"reset_rows must be 1-D (int32[M], as remap_table returns it), got shape "
             f"{tuple(reset_rows.shape)}"
         )
-    return reset_rows.astype(jnp.int32)
+    return reset_rows
 
 
 def _reset_after(config, table, optimizer, opt_state, reset_rows, step_index, key, initializer,
