@@ -38,7 +38,7 @@ LR, LR_HEAD = 0.3, 0.1
 INIT = jax.nn.initializers.normal(0.5)
 KEY = jax.random.key(7)
 SPREAD = np.uint64(0x9E3779B97F4A7C15)  # spreads small ints over all 64 bits
-CFG = DynamicTableConfig(capacity=16, bucket_size=4, seed=3, policy="lfu", admit_after=2,
+CFG = DynamicTableConfig(capacity=16, bucket_size=2, seed=3, policy="lfu", admit_after=2,
                          sketch_depth=2, sketch_width=32, sketch_window=24)  # fmt: skip
 OPT = jaxembed.optim.adagrad(LR)
 SPLIT = P("model", None)
@@ -134,6 +134,17 @@ def evictions(outs):
     return sum(int(o[3].evicted) for o in outs)
 
 
+def state_shardings(mesh):
+    """Where the remap state lives with the rows split over 'model': split with them."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), D.state_specs(CFG, "model"),
+                        is_leaf=lambda x: isinstance(x, P))  # fmt: skip
+
+
+def assert_state_split(state, mesh):
+    for name, leaf, want in zip(state._fields, state, state_shardings(mesh), strict=True):
+        assert leaf.sharding.is_equivalent_to(want, leaf.ndim), (name, leaf.sharding)
+
+
 def place(carry, mesh):
     """The carry moved in memory onto `mesh` (None: one device) in the import's layout."""
     if mesh is None:  # via the host: device_put to one device would keep the mesh's type
@@ -142,7 +153,7 @@ def place(carry, mesh):
     rep = NamedSharding(mesh, P())
     return {
         "dyn": D.DynamicTable(jax.device_put(carry["dyn"].table, split(carry["dyn"].table)),
-                              jax.device_put(carry["dyn"].state, rep)),
+                              jax.device_put(carry["dyn"].state, state_shardings(mesh))),
         "opt": jax.tree.map(lambda a: jax.device_put(a, split(a)), carry["opt"]),
         "head": jax.device_put(carry["head"], rep),
     }  # fmt: skip
@@ -173,16 +184,48 @@ def test_orbax_restores_a_trained_table_bitwise_on_its_mesh(mesh8, tmp_path):
         assert isinstance(restored["opt"], RowSparseState)
         assert_bitwise(host(restored), saved, "restored")
         assert restored["dyn"].table.sharding.spec == SPLIT
-        assert restored["dyn"].state.keys.sharding.is_fully_replicated
+        assert_state_split(restored["dyn"].state, mesh8)
         got, got_outs = run(restored, range(BEFORE, BEFORE + AFTER))
     assert evictions(before) > 0 and evictions(want_outs) > 0
     assert_bitwise(got_outs, want_outs, "outputs")
     assert_bitwise(host(got), host(want), "after")
 
 
+@pytest.mark.parametrize("devices", [4, 1])
+def test_orbax_restores_onto_another_shard_count(mesh8, devices, tmp_path):
+    """Saved from 8 row shards, restored by orbax as is onto 4 or 1: an id's bucket and row do
+    not depend on the shard count, so the state needs no re-bucketing; the run goes on as the
+    uninterrupted 8-shard run (the ids' rows, the state and the counts exactly, the floats to
+    the summation order of the pooled bags)."""
+    with jax.set_mesh(mesh8):
+        carry, _ = run(fresh(mesh8), range(BEFORE))
+        with ocp.StandardCheckpointer() as ckpt:
+            ckpt.save(tmp_path / "ckpt", carry)
+        want, want_outs = run(carry, range(BEFORE, BEFORE + AFTER))
+    mesh = jax.make_mesh((devices,), ("model",), axis_types=(AxisType.Explicit,),
+                         devices=jax.devices()[:devices])  # fmt: skip
+    target = fresh(mesh)  # the layout to restore into: rows (and the state) over `devices`
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(tmp_path / "ckpt", target)
+    assert_state_split(restored["dyn"].state, mesh)
+    assert restored["dyn"].state.keys.addressable_shards[0].data.shape[0] == CFG.capacity // devices
+    with jax.set_mesh(mesh):
+        got, got_outs = run(restored, range(BEFORE, BEFORE + AFTER))
+    assert evictions(want_outs) > 0
+    for t, (g, w) in enumerate(zip(got_outs, want_outs, strict=True)):
+        np.testing.assert_array_equal(g[0], w[0], err_msg=f"step {t}: rows")
+        assert tuple(map(int, g[3])) == tuple(map(int, w[3])), t
+        np.testing.assert_allclose(g[1], w[1], rtol=1e-5, atol=1e-6, err_msg=f"step {t}")
+    assert_bitwise(host(got["dyn"].state), host(want["dyn"].state), "state")
+    np.testing.assert_allclose(got["dyn"].table, want["dyn"].table, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["opt"].slots["accumulator"], want["opt"].slots["accumulator"],
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
 def test_orbax_saves_a_table_that_admits_at_once(tmp_path):
     """`admit_after=1` keeps no sketch: its state holds a [1, 1] placeholder orbax can save."""
-    cfg = DynamicTableConfig(capacity=16, bucket_size=4)
+    cfg = DynamicTableConfig(capacity=16, bucket_size=2)
     dyn = D.init_table(cfg, 4)
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(tmp_path / "ckpt", dyn)
@@ -227,7 +270,7 @@ def test_export_and_import_move_a_table_between_meshes_bitwise(src, dst, mesh8, 
     if dst is not None:
         assert res.dyn_table.table.sharding.spec == SPLIT
         assert res.opt_state.slots["accumulator"].sharding.spec == SPLIT
-        assert res.dyn_table.state.keys.sharding.is_fully_replicated
+        assert_state_split(res.dyn_table.state, dst)
 
     want, want_outs = on(dst, run, moved, range(BEFORE, BEFORE + AFTER))
     got, got_outs = on(dst, run, imported, range(BEFORE, BEFORE + AFTER))

@@ -34,6 +34,7 @@ from jaxembed.dynamic.config import DynamicState, DynamicTableConfig
 from jaxembed.kernels.collection import collection_lookup, collection_update
 from jaxembed.nn.stacks import build_stack, unstack
 from jaxembed.optim import dynamic_collection as DC
+from jaxembed.plan.specs import format_bytes
 
 ITEMS, STEPS = 12, 6
 ITEM_INIT = np.random.default_rng(5).normal(size=(ITEMS, H)).astype(np.float32)
@@ -218,15 +219,28 @@ def test_the_planner_counts_the_remap_state_and_places_rows_or_replicated():
     assert plan.placements["user"] in ("rows", "replicated")
     by = {t.name: t for t in plan.tables}
     if plan.placements["user"] == plan.placements["user_static"]:  # the same rows, + state
-        assert by["user"].memory_bytes - by["user_static"].memory_bytes == cfg.state_bytes
-    # no layout with too little memory for the replicated remap state
+        n = 8 if plan.placements["user"] == "rows" else 1  # the state splits with the rows
+        extra = by["user"].memory_bytes - by["user_static"].memory_bytes
+        assert extra == cfg.shard(n).state_bytes, (plan.placements, extra)
+        assert f"+ {format_bytes(cfg.shard(n).state_bytes)} remap state a device" in by[
+            "user"].reason  # fmt: skip
+    # both on "rows": the dynamic one holds an eighth of the remap state more
+    fixed = [TableConfig("user", cfg.capacity, 32, placement="rows", dynamic=cfg),
+             TableConfig("user_static", cfg.capacity, 32, placement="rows")]  # fmt: skip
+    rows = jaxembed.plan_collection(fixed, feats, mesh, batch_size=512,
+                                    memory_per_device="1GiB", backend="cpu")  # fmt: skip
+    by = {t.name: t for t in rows.tables}
+    shard = cfg.shard(8)  # an eighth of the keys, last_seen, counts and sketch; the total whole
+    assert shard.state_bytes == (cfg.state_bytes - 4) // 8 + 4
+    assert by["user"].memory_bytes - by["user_static"].memory_bytes == shard.state_bytes
+    # no layout with too little memory for the remap state's shard
     with pytest.raises(ValueError, match="memory_per_device"):
         jaxembed.plan_collection(tabs[:1], feats[:1], mesh, batch_size=512,
-                                 memory_per_device=cfg.state_bytes, backend="cpu")  # fmt: skip
+                                 memory_per_device=shard.state_bytes, backend="cpu")  # fmt: skip
 
 
 def test_bad_dynamic_configs_name_the_value_and_the_fix():
-    cfg = DynamicTableConfig(capacity=16, bucket_size=4)
+    cfg = DynamicTableConfig(capacity=16, bucket_size=2)
     with pytest.raises(ValueError, match="vocab_size=16"):
         TableConfig("user", 20, H, dynamic=cfg)
     with pytest.raises(ValueError, match="placement='table'"):
@@ -236,7 +250,7 @@ def test_bad_dynamic_configs_name_the_value_and_the_fix():
     with pytest.raises(TypeError, match="DynamicTableConfig"):
         TableConfig("user", 16, H, dynamic={"capacity": 16})
     odd = DynamicTableConfig(capacity=12, bucket_size=4)
-    with pytest.raises(ValueError, match="capacity=16 \\(a multiple of 8\\)"):
+    with pytest.raises(ValueError, match="capacity=32 \\(a multiple of 32\\)"):
         layout_collection(
             [TableConfig("user", 12, H, placement="rows", dynamic=odd)],
             [FeatureConfig("u", "user")],

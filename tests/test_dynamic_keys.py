@@ -58,7 +58,7 @@ def test_hash32_is_murmur3_of_the_ids_bytes_in_numpy_and_xla(rng):
         np.array([0, 1, -2, 2**32, 2**32 - 1, 2**63 - 1, -(2**63)], np.int64),
     ])  # fmt: skip
     keys = K.keys_to_host(ids)
-    for seed in (0, 1, 0xDEADBEEF, K.stream_seed(7, K.STREAM_OWNER)):
+    for seed in (0, 1, 0xDEADBEEF, K.stream_seed(7, 1)):
         want = [murmur3_32(int(i).to_bytes(8, "little", signed=True), seed) for i in ids]
         assert K.hash32(keys, seed).tolist() == want
         assert (
@@ -67,17 +67,27 @@ def test_hash32_is_murmur3_of_the_ids_bytes_in_numpy_and_xla(rng):
         )
 
 
-def test_bucket_and_owner_draw_independent_bits(rng):
+def test_bucket_and_sketch_draw_independent_bits(rng):
     keys = K.keys_to_host(rng.integers(0, 2**62, size=40_000, dtype=np.int64))
     bucket = K.bucket_of(keys, 4, seed=3)
-    owner = K.owner_of(keys, 4, seed=3)
-    joint = np.bincount(bucket * 4 + owner, minlength=16)
+    cell = K.sketch_index(keys, bucket, 2, 4, seed=3)  # [2, N]: 4 counters a bucket and row
+    assert cell.shape == (2, 40_000) and np.all(cell // 4 == bucket)
     # 16 cells of 2500 expected: a chi-square far beyond its 15 degrees of freedom's 99.9% (37.7)
-    # would mean the owner's bits predict the bucket's.
-    chi2 = ((joint - 2500.0) ** 2 / 2500.0).sum()
-    assert chi2 < 37.7, joint
+    # would mean the counter's bits within a bucket predict the bucket's (or row 0's row 1's).
+    for a, b in ((bucket, cell[0] % 4), (cell[0] % 4, cell[1] % 4)):
+        joint = np.bincount(a * 4 + b, minlength=16)
+        chi2 = ((joint - 2500.0) ** 2 / 2500.0).sum()
+        assert chi2 < 37.7, joint
     assert len({K.stream_seed(0, s) for s in range(8)} | {K.stream_seed(1, 0)}) == 9
-    assert K.sketch_index(keys[:5], 3, 97, seed=0).shape == (3, 5)
+
+
+def test_owner_is_the_shard_holding_the_bucket(rng):
+    keys = K.keys_to_host(rng.integers(0, 2**62, size=1000, dtype=np.int64))
+    bucket = K.bucket_of(keys, 32, seed=5)
+    for n in (1, 2, 4, 8, 32):
+        assert np.array_equal(K.owner_of(keys, 32, n, seed=5), bucket // (32 // n))
+    with pytest.raises(ValueError, match="num_shards=3 must divide num_buckets=32"):
+        K.owner_of(keys, 32, 3, seed=5)
 
 
 def test_forms_convert_without_truncation():

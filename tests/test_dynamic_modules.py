@@ -274,7 +274,7 @@ def test_a_checkpointed_state_continues_bitwise():
 
 
 def test_hostile_construction_and_ids():
-    cfg = DynamicTableConfig(capacity=16, bucket_size=4)
+    cfg = DynamicTableConfig(capacity=16, bucket_size=2)
     with pytest.raises(TypeError, match="DynamicTableConfig"):
         jaxembed.nnx.DynamicEmbed({"capacity": 16}, H, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="impl='gpu'"):
@@ -301,7 +301,7 @@ def test_hostile_construction_and_ids():
 
 
 def test_linen_eval_reads_and_a_training_call_needs_the_mutable_collection():
-    cfg = DynamicTableConfig(capacity=16, bucket_size=4)
+    cfg = DynamicTableConfig(capacity=16, bucket_size=2)
     model = jaxembed.flax.DynamicEmbed(cfg, H, impl="xla")
     keys = K.as_keys(np.array([[5, 6], [5, -1]], np.int64), check=False)
     variables = model.init(jax.random.key(0), keys)

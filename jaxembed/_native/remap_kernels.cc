@@ -3,8 +3,11 @@
 // one id at a time, in jaxembed/dynamic/reference.py).
 //
 // Shapes (one table or shard): ids u32[M, 2] (low half, high half), keys u32[C, 2],
-// last_seen / count i32[C], sketch i32[D, W] ([0, 0] without admission counting),
-// sketch_total i32[1]; C = num_buckets · S, bucket b holding rows [b·S, (b+1)·S).
+// last_seen / count i32[C], sketch i32[D, W] ([0, 0] without admission counting; W = K ·
+// num_buckets, bucket b's counters [b·K, (b+1)·K) of each row), sketch_total i32[1];
+// C = num_buckets · S, bucket b holding rows [b·S, (b+1)·S). A shard (remap.Shard) is given
+// its state alone and its first bucket among the table's `num_buckets`: it hashes every id
+// into the table's buckets and decides its own, numbering its rows from its first.
 //
 // A step, where XLA sorts every id twice. The buckets are split into P runs ("parts", four a
 // thread) and the slots into P chunks; each of the phases below is P items that the threads of
@@ -140,11 +143,13 @@ constexpr int64_t kMaxSketchDepth = 16;  // config.DynamicTableConfig's limit
 
 // ---- checks ---------------------------------------------------------------------------------
 
-// The table's geometry, checked: C rows in buckets of S.
+// The table's geometry, checked: C rows in buckets of S; for one of a table's row shards
+// (remap.Shard), its buckets are [first_bucket, first_bucket + num_buckets) of the table's
+// total_buckets, and its rows and buckets are numbered from its first.
 struct Table {
-  int64_t C = 0, S = 0, num_buckets = 0;
+  int64_t C = 0, S = 0, num_buckets = 0, total_buckets = 0, first_bucket = 0;
   uint32_t bucket_seed = 0;
-  FastMod bucket_mod;  // % num_buckets
+  FastMod bucket_mod;  // % total_buckets
 };
 
 ffi::Error CheckTable(const char* k, ffi::Buffer<ffi::U32> ids, ffi::Buffer<ffi::U32> keys,
@@ -175,12 +180,41 @@ ffi::Error CheckTable(const char* k, ffi::Buffer<ffi::U32> ids, ffi::Buffer<ffi:
   }
   t->num_buckets = t->C / t->S;
   t->bucket_seed = StreamSeed(static_cast<uint32_t>(seed), kStreamBucket);
-  t->bucket_mod = FastMod(static_cast<uint32_t>(t->num_buckets));
   return ffi::Error::Success();
 }
 
+// The shard's place (after CheckTable): `total_buckets` of the whole table (0: the state is
+// the whole table) and its first bucket, an int32 scalar operand (traced in a shard_map).
+ffi::Error CheckShard(const char* k, ffi::Buffer<ffi::S32> first_bucket, int64_t total_buckets,
+                      Table* t) {
+  if (first_bucket.element_count() != 1) {
+    return Invalid(k, "first_bucket must be an int32 scalar, got shape " +
+                          Dims(first_bucket.dimensions()));
+  }
+  const int64_t first = first_bucket.typed_data()[0];
+  const int64_t total = total_buckets == 0 ? t->num_buckets : total_buckets;
+  if (total < t->num_buckets || total > kInt32Max || first < 0 || first + t->num_buckets > total) {
+    return Invalid(k, "first_bucket=" + std::to_string(first) + " and num_buckets=" +
+                          std::to_string(total) + ": the shard's " +
+                          std::to_string(t->num_buckets) + " buckets must lie in the table's");
+  }
+  t->total_buckets = total;
+  t->first_bucket = first;
+  t->bucket_mod = FastMod(static_cast<uint32_t>(total));
+  return ffi::Error::Success();
+}
+
+// An id's bucket in the whole table.
 inline int32_t BucketOf(const Table& t, uint32_t lo, uint32_t hi) {
   return static_cast<int32_t>(t.bucket_mod(Murmur(lo, hi, t.bucket_seed)));
+}
+
+// The shard's number of the table's bucket b, or -2 where another shard holds it (-1, the
+// reserved id's, stays).
+inline int32_t Local(const Table& t, int32_t b) {
+  if (b < 0) return b;
+  const int64_t local = b - t.first_bucket;
+  return local >= 0 && local < t.num_buckets ? static_cast<int32_t>(local) : -2;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
@@ -294,12 +328,14 @@ inline void PrefetchBucket(const Table& t, const uint32_t* keys, int64_t b) {
 // ---- lookup -----------------------------------------------------------------------------------
 
 ffi::Error RemapLookupImpl(ffi::Buffer<ffi::U32> ids, ffi::Buffer<ffi::U32> keys,
+                           ffi::Buffer<ffi::S32> first_bucket,
                            ffi::Result<ffi::Buffer<ffi::S32>> rows,
                            ffi::Result<ffi::Buffer<ffi::PRED>> found, int64_t bucket_size,
-                           int64_t seed, int64_t num_threads) {
+                           int64_t num_buckets, int64_t seed, int64_t num_threads) {
   constexpr const char* k = "remap_lookup";
   Table t;
   if (auto e = CheckTable(k, ids, keys, bucket_size, seed, num_threads, &t); e.failure()) return e;
+  if (auto e = CheckShard(k, first_bucket, num_buckets, &t); e.failure()) return e;
   const int64_t M = ids.dimensions()[0];
   if (auto e = CheckShape(k, "rows", rows->dimensions(), {M}); e.failure()) return e;
   if (auto e = CheckShape(k, "found", found->dimensions(), {M}); e.failure()) return e;
@@ -314,11 +350,13 @@ ffi::Error RemapLookupImpl(ffi::Buffer<ffi::U32> ids, ffi::Buffer<ffi::U32> keys
     for (int64_t i = a; i < e; ++i) {
       const int64_t ahead = i + kPrefetchDistance;
       if (ahead < e && !IsEmpty(id + 2 * ahead)) {
-        PrefetchBucket(t, table, BucketOf(t, id[2 * ahead], id[2 * ahead + 1]));
+        const int32_t b = Local(t, BucketOf(t, id[2 * ahead], id[2 * ahead + 1]));
+        if (b >= 0) PrefetchBucket(t, table, b);
       }
       int64_t row = -1;
       if (!IsEmpty(id + 2 * i)) {
-        row = Probe(t, table, BucketOf(t, id[2 * i], id[2 * i + 1]), Key64(id + 2 * i));
+        const int32_t b = Local(t, BucketOf(t, id[2 * i], id[2 * i + 1]));
+        if (b >= 0) row = Probe(t, table, b, Key64(id + 2 * i));
       }
       f[i] = row >= 0;
       r[i] = static_cast<int32_t>(row >= 0 ? row : t.C);
@@ -488,14 +526,15 @@ struct StepContext {
   int32_t t;
   uint32_t* keys;  // [C, 2]
   int32_t *last, *count, *sketch;
-  int64_t D = 0;
-  FastMod w_mod;
+  int64_t D = 0, W = 0;  // the sketch's rows and counters a row
+  FastMod k_mod;         // % K, each bucket's counters a row (W = K · num_buckets)
   uint32_t sketch_seed[kMaxSketchDepth];
   bool counting, atomic_sketch;
 
-  // Sketch row j's counter of `id`: its column (the cell is j·w + column).
-  uint32_t Column(uint64_t id, int64_t j) const {
-    return static_cast<uint32_t>(w_mod(Murmur(Lo(id), Hi(id), sketch_seed[j])));
+  // Sketch row j's counter of `id` in bucket b: its column b·K + (h_j mod K) (keys.sketch_index;
+  // the cell is j·W + column).
+  uint32_t Column(uint64_t id, int64_t b, int64_t j) const {
+    return static_cast<uint32_t>(b * k_mod.d + k_mod(Murmur(Lo(id), Hi(id), sketch_seed[j])));
   }
   // Asks for bucket b's keys, last_seen and count (all read by a victim search; the hits'
   // touch writes the last two) a few buckets before they are read.
@@ -693,8 +732,8 @@ class StepPart {
         if (row_[j] >= 0) continue;
         uint32_t* col = column_.get() + j * cx.D;
         for (int64_t d = 0; d < cx.D; ++d) {
-          col[d] = cx.Column(id_[j], d);
-          __builtin_prefetch(cx.sketch + d * cx.w_mod.d + col[d], 1, 3);
+          col[d] = cx.Column(id_[j], b, d);
+          __builtin_prefetch(cx.sketch + d * cx.W + col[d], 1, 3);
         }
         misses_.push_back(static_cast<int32_t>(j));
         added_ = WrapAdd(added_, mult_[j]);
@@ -719,7 +758,7 @@ class StepPart {
       for (int64_t j = group_[g]; j < group_[g + 1]; ++j) {
         if (row_[j] >= 0) continue;
         const uint32_t* col = column_.get() + j * cx.D;
-        for (int64_t d = 0; d < cx.D; ++d) __builtin_prefetch(cx.sketch + d * cx.w_mod.d + col[d]);
+        for (int64_t d = 0; d < cx.D; ++d) __builtin_prefetch(cx.sketch + d * cx.W + col[d]);
       }
     };
     for (int64_t c = 0; c < std::min(K, kAhead); ++c) prefetch(c);
@@ -730,7 +769,7 @@ class StepPart {
         if (row_[j] >= 0) continue;
         const uint32_t* col = column_.get() + j * cx.D;
         int32_t est = cx.sketch[col[0]];
-        for (int64_t d = 1; d < cx.D; ++d) est = std::min(est, cx.sketch[d * cx.w_mod.d + col[d]]);
+        for (int64_t d = 1; d < cx.D; ++d) est = std::min(est, cx.sketch[d * cx.W + col[d]]);
         est_[j] = est;
       }
       Decide(cx, b, a, e, est_.get());
@@ -752,7 +791,7 @@ class StepPart {
   void AddToSketch(const StepContext& cx, int32_t j) {
     const uint32_t* col = column_.get() + static_cast<int64_t>(j) * cx.D;
     for (int64_t d = 0; d < cx.D; ++d) {
-      int32_t* c = cx.sketch + d * cx.w_mod.d + col[d];
+      int32_t* c = cx.sketch + d * cx.W + col[d];
       if (cx.atomic_sketch) {  // wrapping adds commute: the sums are the same in any order
         __atomic_fetch_add(c, mult_[j], __ATOMIC_RELAXED);
       } else {
@@ -813,7 +852,7 @@ class StepPart {
 };
 
 ffi::Error RemapStepImpl(ffi::Buffer<ffi::U32> ids, ffi::Buffer<ffi::S32> step_index,
-                         ffi::Buffer<ffi::U32> keys_in, ffi::Buffer<ffi::S32> last_in,
+                         ffi::Buffer<ffi::S32> first_bucket, ffi::Buffer<ffi::U32> keys_in, ffi::Buffer<ffi::S32> last_in,
                          ffi::Buffer<ffi::S32> count_in, ffi::Buffer<ffi::S32> sketch_in,
                          ffi::Buffer<ffi::S32> total_in,
                          ffi::Result<ffi::Buffer<ffi::U32>> keys_out,
@@ -826,13 +865,15 @@ ffi::Error RemapStepImpl(ffi::Buffer<ffi::U32> ids, ffi::Buffer<ffi::S32> step_i
                          ffi::Result<ffi::Buffer<ffi::S32>> stats_out,
                          ffi::Result<ffi::Buffer<ffi::S32>> reset_out,
                          ffi::Result<ffi::Buffer<ffi::U32>> evicted_out, int64_t bucket_size,
-                         int64_t admit_after, int64_t policy, int64_t ttl_steps,
-                         int64_t sketch_window, int64_t seed, int64_t num_threads) {
+                         int64_t num_buckets, int64_t admit_after, int64_t policy,
+                         int64_t ttl_steps, int64_t sketch_window, int64_t halve, int64_t seed,
+                         int64_t num_threads) {
   constexpr const char* k = "remap_step";
   Table tb;
   if (auto e = CheckTable(k, ids, keys_in, bucket_size, seed, num_threads, &tb); e.failure()) {
     return e;
   }
+  if (auto e = CheckShard(k, first_bucket, num_buckets, &tb); e.failure()) return e;
   const int64_t M = ids.dimensions()[0], C = tb.C;
   if (admit_after < 1 || admit_after > kInt32Max || policy < kLru || policy > kTtl ||
       ttl_steps < 0 || ttl_steps > kInt32Max || sketch_window < 1 || sketch_window > kInt32Max) {
@@ -844,10 +885,11 @@ ffi::Error RemapStepImpl(ffi::Buffer<ffi::U32> ids, ffi::Buffer<ffi::S32> step_i
   const bool counting = admit_after > 1;
   const auto sd = sketch_in.dimensions();
   if (sd.size() != 2 || (counting && (sd[0] < 1 || sd[0] > kMaxSketchDepth || sd[1] < 1 ||
-                                      sd[1] > kInt32Max))) {
+                                      sd[1] > kInt32Max || sd[1] % tb.num_buckets != 0))) {
     return Invalid(k, "sketch has shape " + Dims(sd) + ": admit_after=" +
                           std::to_string(admit_after) + " needs a [depth, width] sketch, depth " +
-                          "in [1, " + std::to_string(kMaxSketchDepth) + "]");
+                          "in [1, " + std::to_string(kMaxSketchDepth) + "], width a multiple " +
+                          "of the " + std::to_string(tb.num_buckets) + " buckets");
   }
   struct Want {
     const char* name;
@@ -896,7 +938,8 @@ ffi::Error RemapStepImpl(ffi::Buffer<ffi::U32> ids, ffi::Buffer<ffi::S32> step_i
   cx.counting = counting;
   if (counting) {
     cx.D = sd[0];
-    cx.w_mod = FastMod(static_cast<uint32_t>(sd[1]));
+    cx.W = sd[1];
+    cx.k_mod = FastMod(static_cast<uint32_t>(sd[1] / tb.num_buckets));
     for (int64_t j = 0; j < cx.D; ++j) {
       cx.sketch_seed[j] = StreamSeed(cx.at.seed, kStreamSketch + static_cast<uint32_t>(j));
     }
@@ -930,6 +973,9 @@ ffi::Error RemapStepImpl(ffi::Buffer<ffi::U32> ids, ffi::Buffer<ffi::S32> step_i
       const bool empty = IsEmpty(id + 2 * i);
       reserved += empty;
       batch.bucket[i] = empty ? -1 : BucketOf(tb, id[2 * i], id[2 * i + 1]);
+    }
+    if (tb.total_buckets != tb.num_buckets) {  // a shard: its own buckets, -2 for the others
+      for (i = a; i < e; ++i) batch.bucket[i] = Local(tb, batch.bucket[i]);
     }
     for (i = a; i < e; ++i) {
       const int32_t b = batch.bucket[i];
@@ -1014,11 +1060,12 @@ ffi::Error RemapStepImpl(ffi::Buffer<ffi::U32> ids, ffi::Buffer<ffi::S32> step_i
     for (int64_t j = a; j < e; ++j) SetKey(evicted + 2 * j, kEmptyId);
   });
 
-  // 4. Halving, once per sketch_window counts.
+  // 4. Halving, once per sketch_window counts (a shard's waits on every shard's counts: the
+  // caller halves).
   if (counting) {
     int32_t* total = total_out->typed_data();
     total[0] = WrapAdd(total[0], added);
-    if (total[0] >= sketch_window) {
+    if (halve && total[0] >= sketch_window) {
       const int64_t n = sd[0] * sd[1];
       int32_t* sketch = cx.sketch;
       team.Run([&](int p) {
@@ -1040,9 +1087,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedRemapLookup, jaxembed::Safe<jaxembed::Rema
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::U32>>()   // ids [M, 2]
                                   .Arg<ffi::Buffer<ffi::U32>>()   // keys [C, 2]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // first_bucket []
                                   .Ret<ffi::Buffer<ffi::S32>>()   // rows [M]
                                   .Ret<ffi::Buffer<ffi::PRED>>()  // found [M]
                                   .Attr<int64_t>("bucket_size")
+                                  .Attr<int64_t>("num_buckets")
                                   .Attr<int64_t>("seed")
                                   .Attr<int64_t>("num_threads"));
 
@@ -1050,6 +1099,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedRemapStep, jaxembed::Safe<jaxembed::RemapS
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::U32>>()   // ids [M, 2]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // step_index []
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // first_bucket []
                                   .Arg<ffi::Buffer<ffi::U32>>()   // keys [C, 2]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // last_seen [C]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // count [C]
@@ -1066,9 +1116,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedRemapStep, jaxembed::Safe<jaxembed::RemapS
                                   .Ret<ffi::Buffer<ffi::S32>>()   // reset_rows [M]
                                   .Ret<ffi::Buffer<ffi::U32>>()   // evicted_keys [M, 2]
                                   .Attr<int64_t>("bucket_size")
+                                  .Attr<int64_t>("num_buckets")
                                   .Attr<int64_t>("admit_after")
                                   .Attr<int64_t>("policy")
                                   .Attr<int64_t>("ttl_steps")
                                   .Attr<int64_t>("sketch_window")
+                                  .Attr<int64_t>("halve")
                                   .Attr<int64_t>("seed")
                                   .Attr<int64_t>("num_threads"));

@@ -282,12 +282,13 @@ def layout_collection(
         key = (t.dim, np.dtype(t.dtype).name, r, k, t.name if t.dynamic is not None else None)
         groups.setdefault(key, []).append(t.name)
         n = math.prod(sizes[a] for a in r)
-        if t.dynamic is not None and t.vocab_size % n:
-            step = math.lcm(n, t.dynamic.bucket_size)
+        if t.dynamic is not None and t.dynamic.num_buckets % n:
+            step = n * t.dynamic.bucket_size  # each shard owns whole buckets
             raise ValueError(
                 f"table {t.name!r}: a dynamic table's capacity {t.vocab_size} does not divide "
-                f"over its {n} row shards ({placement} over {r}): use capacity="
-                f"{-(-t.vocab_size // step) * step} (a multiple of {step})"
+                f"over its {n} row shards ({placement} over {r}) in whole buckets of "
+                f"{t.dynamic.bucket_size}: use capacity={-(-t.vocab_size // step) * step} (a "
+                f"multiple of {step})"
             )
 
     stacks, table_placements = [], {}

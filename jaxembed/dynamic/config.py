@@ -21,13 +21,17 @@ S = 32 keys are 256 contiguous bytes (4 cache lines) per probe; S = 64 halves th
 again for twice the bytes.
 
 **Admission** (`admit_after` = a > 1) counts the ids without a row in a count-min sketch of
-`sketch_depth` = d rows of `sketch_width` = w int32 counters (row j indexed by hash stream
-`2 + j`); an id's estimate is the minimum of its d counters. It never under-counts. It
-over-counts by the other ids that share all d of its counters: with N counts in the sketch,
-each row's excess has mean <= N / w, so an id seen c < a times is admitted early with
-probability at most `(N / (w·(a - c)))**d` (Markov's bound, each row independent). To keep N
-bounded on an unbounded stream every counter is halved (and N with it) whenever N reaches
-`sketch_window` (TinyLFU's reset): then N < window + one batch, and with the defaults
+`sketch_depth` = d rows of `sketch_width` = w int32 counters; an id's estimate is the minimum
+of its d counters. The sketch is split by bucket like the rows: each bucket b has its own k = w
+/ num_buckets counters of each row, `[b·k, (b+1)·k)`, and an id of bucket b counts in counter
+`b·k + (h_j mod k)` of row j (h_j its hash stream `2 + j`), so every decision but the halving
+is local to a bucket, and a table split by rows splits its sketch with them. It never
+under-counts. It over-counts by the other ids that share all d of its counters: with N counts
+in the sketch, spread over the buckets by a uniform hash, each row's excess has mean <= N / w
+(a bucket's N / num_buckets counts over its k counters), so an id seen c < a times is admitted
+early with probability at most `(N / (w·(a - c)))**d` (Markov's bound, each row independent).
+To keep N bounded on an unbounded stream every counter is halved (and N with it) whenever N
+reaches `sketch_window` (TinyLFU's reset): then N < window + one batch, and with the defaults
 (w = window = capacity, d = 4) an id seen once is admitted early at `admit_after=3` with
 probability <= (1/2)**4 = 6% by the bound (0.5% for Poisson(1) excesses); seen counts are
 therefore "recent" counts, each halving forgetting half.
@@ -89,7 +93,8 @@ class DynamicTableConfig:
         expired the new id is refused). A row looked up in the current step is never taken.
       ttl_steps: for `"ttl"` only: an id seen at step s expires at step `s + ttl_steps + 1`.
       sketch_depth: rows of the count-min sketch (1 to 16); used when `admit_after > 1`.
-      sketch_width: counters per sketch row (default: `capacity`).
+      sketch_width: counters per sketch row (default: `capacity`), a multiple of
+        `num_buckets` (each bucket has `sketch_width // num_buckets` of them).
       sketch_window: counts after which every sketch counter is halved (default: the width).
       seed: the table's hash seed, in `[0, 2**32)` (buckets, owners, sketch rows).
 
@@ -147,6 +152,14 @@ class DynamicTableConfig:
         _int_in("sketch_depth", self.sketch_depth, 1, 16)
         width = self.capacity if self.sketch_width is None else self.sketch_width
         _int_in("sketch_width", width, 1, _MAX_SKETCH)
+        nb = c // s
+        if self.admit_after > 1 and width % nb:
+            up = -(-width // nb) * nb
+            raise ValueError(
+                f"sketch_width={width} is not a multiple of num_buckets={nb} (capacity {c} / "
+                f"bucket_size {s}): each bucket has its own share of the sketch's counters; "
+                f"use sketch_width={up}, or leave it out (default: capacity)"
+            )
         window = width if self.sketch_window is None else self.sketch_window
         _int_in("sketch_window", window, 1, _MAX_SKETCH)
         _int_in("seed", self.seed, 0, 2**32 - 1)
@@ -170,9 +183,41 @@ class DynamicTableConfig:
         return (self.sketch_depth, self.sketch_width) if self.uses_sketch else (1, 1)
 
     @property
+    def sketch_per_bucket(self) -> int:
+        """k, each bucket's counters in each sketch row (`sketch_width // num_buckets`; 1
+        when the sketch is unused)."""
+        return self.sketch_shape[1] // self.num_buckets if self.uses_sketch else 1
+
+    def shard(self, num_shards: int) -> DynamicTableConfig:
+        """The config of one of `num_shards` equal row shards: its buckets, rows and sketch
+        counters (the same bucket size, sketch share a bucket, policy, window and seed).
+
+        Raises:
+          ValueError: `num_shards` does not divide the buckets, naming a capacity it divides.
+
+        Examples:
+          >>> DynamicTableConfig(capacity=1024, admit_after=2).shard(8).capacity
+          128
+        """
+        n, nb = int(num_shards), self.num_buckets
+        if n < 1 or nb % n:
+            step = self.bucket_size * n
+            up = -(-self.capacity // step) * step
+            raise ValueError(
+                f"capacity={self.capacity} ({nb} buckets of {self.bucket_size}) does not split "
+                f"into {n} row shards of whole buckets: each shard owns its buckets' ids; use "
+                f"capacity={up} (a multiple of bucket_size x {n} = {step})"
+            )
+        if n == 1:
+            return self
+        return dataclasses.replace(self, capacity=self.capacity // n,
+                                   sketch_width=self.sketch_width // n)  # fmt: skip
+
+    @property
     def state_bytes(self) -> int:
         """The bytes of its `DynamicState`: 16 a row (keys 8, last_seen 4, count 4), the
-        sketch's int32 counters and its total (replicated: every device holds them all).
+        sketch's int32 counters and its total; a table split by rows splits all but the total
+        with them (`shard`).
 
         Examples:
           >>> DynamicTableConfig(capacity=1024, bucket_size=16).state_bytes    # no sketch

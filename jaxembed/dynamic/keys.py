@@ -28,9 +28,12 @@ little-endian bytes under a 32-bit seed: two 4-byte blocks (low half, then high 
 finalizer. It uses only 32-bit wrapping multiplies, rotates and xors, so numpy, XLA without
 x64 and C++ (`jaxembed/_native/remap_kernels.cc`) compute bit-identical values. Each use draws
 from its own **stream**, a seed derived from the table's seed and the stream's number
-(`stream_seed`): stream 0 picks the bucket, stream 1 the owner shard (for sharded tables),
-streams 2, 3, ... the count-min sketch's rows, so these choices are independent of each other.
-An index in `[0, n)` is `hash % n` (bias below `n / 2**32`).
+(`stream_seed`): stream 0 picks the bucket, streams 2, 3, ... the counter within its
+bucket's share of each count-min sketch row (stream 1 is unused), so these choices are
+independent of each other. An index in `[0, n)` is `hash % n` (bias below `n / 2**32`).
+A table split by rows over n shards gives shard s the buckets `[s·nb/n, (s+1)·nb/n)`, so an
+id's owner is its bucket's shard (`owner_of`): no hash of its own, and the same bucket (and
+row) whatever the shard count.
 
 Examples:
   >>> import numpy as np
@@ -57,7 +60,6 @@ __all__ = [
     "EMPTY_HALF",
     "EMPTY_ID",
     "STREAM_BUCKET",
-    "STREAM_OWNER",
     "STREAM_SKETCH",
     "as_keys",
     "bucket_of",
@@ -74,7 +76,6 @@ EMPTY_ID = 2**64 - 1  # the reserved id: all 64 bits set (int64 -1)
 EMPTY_HALF = 0xFFFFFFFF  # both halves of the reserved key
 
 STREAM_BUCKET = 0  # the bucket of an id within its table (or shard)
-STREAM_OWNER = 1  # the owner shard of an id (a sharded table)
 STREAM_SKETCH = 2  # the first row of the count-min sketch; row j draws from stream 2 + j
 
 _MASK32 = 0xFFFFFFFF
@@ -190,18 +191,30 @@ def bucket_of(keys: Any, num_buckets: int, seed: int) -> Any:
     return _index(hash32(keys, stream_seed(seed, STREAM_BUCKET)), n)
 
 
-def owner_of(keys: Any, num_shards: int, seed: int) -> Any:
-    """Each key's owner shard in `[0, num_shards)`: int32 of `keys.shape[:-1]` (stream 1,
-    independent of the bucket's bits, so every shard's buckets fill alike)."""
-    n = _check_count("num_shards", num_shards)
-    return _index(hash32(keys, stream_seed(seed, STREAM_OWNER)), n)
+def owner_of(keys: Any, num_buckets: int, num_shards: int, seed: int) -> Any:
+    """Each key's owner among `num_shards` equal row shards of a table of `num_buckets`
+    buckets: the shard holding its bucket, `bucket_of(...) // (num_buckets // num_shards)`
+    (int32 of `keys.shape[:-1]`; `num_shards` must divide `num_buckets`).
+
+    Examples:
+      >>> import numpy as np
+      >>> k = np.array([[1, 0], [2, 0]], np.uint32)
+      >>> bucket_of(k, 1000, seed=7).tolist(), owner_of(k, 1000, 4, seed=7).tolist()
+      ([145, 337], [0, 1])
+    """
+    nb, n = _check_count("num_buckets", num_buckets), _check_count("num_shards", num_shards)
+    if nb % n:
+        raise ValueError(f"num_shards={n} must divide num_buckets={nb}: shards own whole buckets")
+    return bucket_of(keys, nb, seed) // (nb // n)
 
 
-def sketch_index(keys: Any, depth: int, width: int, seed: int) -> Any:
-    """Each key's counter in each row of a `[depth, width]` count-min sketch:
-    int32 `[depth, *keys.shape[:-1]]`, row j drawn from stream `2 + j`."""
-    width = _check_count("width", width)
-    rows = [_index(hash32(keys, stream_seed(seed, STREAM_SKETCH + j)), width) for j in range(depth)]
+def sketch_index(keys: Any, buckets: Any, depth: int, per_bucket: int, seed: int) -> Any:
+    """Each key's counter in each row of a count-min sketch split by bucket: int32
+    `[depth, *keys.shape[:-1]]`, `buckets * per_bucket + (h_j % per_bucket)` in row j, h_j
+    drawn from stream `2 + j` (`buckets`: each key's bucket, or its shard's local bucket)."""
+    k = _check_count("per_bucket", per_bucket)
+    rows = [buckets * k + _index(hash32(keys, stream_seed(seed, STREAM_SKETCH + j)), k)
+            for j in range(depth)]  # fmt: skip
     if isinstance(keys, jax.Array):
         return jnp.stack(rows) if rows else jnp.zeros((0, *keys.shape[:-1]), jnp.int32)
     return np.stack(rows) if rows else np.zeros((0, *np.shape(keys)[:-1]), np.int32)

@@ -11,7 +11,8 @@ One step, given the table's state, a batch of ids and the step's index t:
    `EMPTY_ID` are counted in `reserved` and take no further part.
 2. **Hits.** An id holding a row is touched: `last_seen = t`, `count += m` (saturating).
 3. **Counting.** With `admit_after > 1`, every id without a row adds m to its d sketch
-   counters; its estimate e(d) is then the minimum of them. With `admit_after = 1`,
+   counters (in its bucket's share of each row: `keys.sketch_index`); its estimate e(d) is
+   then the minimum of them. With `admit_after = 1`,
    e(d) = m(d). An id with `e >= admit_after` is a **candidate**; the others are `pending`.
 4. **Assignment, bucket by bucket** (ascending). The bucket's candidates are ranked by
    (e descending, id ascending). Its available slots are its free slots (ascending), then its
@@ -153,8 +154,10 @@ def step(
 
     est = {}
     if config.uses_sketch:  # 3. counting
-        where = sketch_index(np.array([_key(i) for i in misses], np.uint32).reshape(-1, 2),
-                             config.sketch_depth, config.sketch_width, config.seed)  # fmt: skip
+        miss_keys = np.array([_key(i) for i in misses], np.uint32).reshape(-1, 2)
+        buckets = bucket_of(miss_keys, config.num_buckets, config.seed)
+        where = sketch_index(miss_keys, buckets, config.sketch_depth,
+                             config.sketch_per_bucket, config.seed)  # fmt: skip
         for n, i in enumerate(misses):
             for j in range(config.sketch_depth):
                 sketch[j, where[j, n]] += mult[i]

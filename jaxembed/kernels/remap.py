@@ -66,6 +66,7 @@ from jaxembed.dynamic.keys import (
 
 __all__ = [
     "DynamicState",
+    "Shard",
     "StepResult",
     "StepStats",
     "check_state",
@@ -74,6 +75,21 @@ __all__ = [
     "lookup",
     "step",
 ]
+
+
+class Shard(NamedTuple):
+    """One of a table's equal row shards, for `lookup` and `step` run on its state alone.
+
+    The config passed with it is the shard's (`DynamicTableConfig.shard(n)`): its rows,
+    buckets and sketch counters; the ids are hashed into the whole table's `num_buckets`, and
+    the ids of other shards' buckets are no part of this shard's step (no row, not counted).
+    Rows and reset rows come back as the shard's own (`[0, config.capacity)`, capacity: none):
+    the caller adds `first_bucket * bucket_size` for the table's. A sharded step does not halve
+    the sketch: the halving waits on every shard's counts (`jaxembed.optim.dynamic`).
+    """
+
+    first_bucket: Any  # int32[] the shard's first bucket (traced: shard index x its buckets)
+    num_buckets: int  # the whole table's buckets (static)
 
 
 class StepResult(NamedTuple):
@@ -193,8 +209,9 @@ def _find(config: DynamicTableConfig, state: DynamicState, flat: jax.Array, buck
 
 
 def lookup(
-    config: DynamicTableConfig, state: DynamicState, ids: Any, *, check: bool = True
-) -> tuple[jax.Array, jax.Array]:
+    config: DynamicTableConfig, state: DynamicState, ids: Any, *, check: bool = True,
+    shard: Shard | None = None,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """Each id's row, and whether it has one; reads the state, changes nothing.
 
     Args:
@@ -203,6 +220,7 @@ def lookup(
       ids: the ids, any batch shape, in a form `keys.as_keys` takes (keys `uint32[*B, 2]`
         under `jit` with x64 off).
       check: raise for concrete ids equal to `EMPTY_ID` (True), or read them as padding.
+      shard: the `Shard` `state` is (None: the whole table); other shards' ids find none.
 
     Returns:
       `(rows, found)`: int32[*B] (capacity where an id has no row) and bool[*B]. The reserved
@@ -218,21 +236,29 @@ def lookup(
     flat = keys.reshape(-1, 2)  # uint32[M, 2]
     if flat.shape[0] == 0:
         return jnp.zeros(batch, jnp.int32), jnp.zeros(batch, bool)
-    bucket = bucket_of(flat, config.num_buckets, config.seed)
-    rows, found = _find(config, state, flat, bucket, ~is_reserved(flat))
+    bucket, mine = _buckets(config, flat, shard)
+    rows, found = _find(config, state, flat, bucket, mine & ~is_reserved(flat))
     return rows.reshape(batch), found.reshape(batch)
+
+
+def _buckets(config: DynamicTableConfig, flat: jax.Array, shard: Shard | None):
+    """Each key's bucket among the (shard's) buckets, and whether the shard holds it."""
+    if shard is None:
+        return bucket_of(flat, config.num_buckets, config.seed), jnp.ones(flat.shape[:1], bool)
+    local = bucket_of(flat, shard.num_buckets, config.seed) - shard.first_bucket
+    mine = (local >= 0) & (local < config.num_buckets)
+    return jnp.where(mine, local, config.num_buckets), mine
 
 
 def _saturating_add(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.where(a > INT32_MAX - b, INT32_MAX, a + b)
 
 
-def _distinct(config: DynamicTableConfig, flat: jax.Array, reserved: jax.Array):
+def _distinct(config: DynamicTableConfig, flat: jax.Array, bucket: jax.Array):
     """Sort 1: the distinct ids (padded to M), their buckets and multiplicities, and each
-    slot's distinct id."""
+    slot's distinct id (`bucket` nb for the ids that take no part: they sort last)."""
     m, nb = flat.shape[0], config.num_buckets
     iota = jnp.arange(m, dtype=jnp.int32)
-    bucket = jnp.where(reserved, nb, bucket_of(flat, nb, config.seed))  # reserved sort last
     sb, shi, slo, order = jax.lax.sort((bucket, flat[:, 1], flat[:, 0], iota), num_keys=3)
     same = (sb[1:] == sb[:-1]) & (shi[1:] == shi[:-1]) & (slo[1:] == slo[:-1])
     new = jnp.concatenate([jnp.ones((1,), bool), ~same])
@@ -249,12 +275,13 @@ def _distinct(config: DynamicTableConfig, flat: jax.Array, reserved: jax.Array):
     return u_bucket, u_keys, u_mult, slot_uid
 
 
-def _admission(config: DynamicTableConfig, state: DynamicState, u_keys, u_mult, miss):
+def _admission(config: DynamicTableConfig, state: DynamicState, u_keys, u_bucket, u_mult, miss):
     """Counting: the sketch after this step's misses, their estimates, the new total."""
     if not config.uses_sketch:
         return state.sketch, state.sketch_total, u_mult
     d, w = config.sketch_shape
-    where = sketch_index(u_keys, d, w, config.seed)  # int32[D, M]
+    b = jnp.minimum(u_bucket, config.num_buckets - 1)  # padding: any bucket (adds 0)
+    where = sketch_index(u_keys, b, d, config.sketch_per_bucket, config.seed)  # int32[D, M]
     flat_where = (where + (jnp.arange(d, dtype=jnp.int32) * w)[:, None]).reshape(-1)
     add = jnp.where(miss, u_mult, 0)
     sketch = state.sketch.reshape(-1).at[flat_where].add(jnp.tile(add, d))  # order-free
@@ -317,6 +344,7 @@ def step(
     step_index: Any,
     *,
     check: bool = True,
+    shard: Shard | None = None,
 ) -> StepResult:
     """One training step's remap: count, admit, evict and touch (`reference` states it).
 
@@ -332,6 +360,8 @@ def step(
       step_index: t, an int32 scalar: the training step, non-decreasing from call to call.
         Several calls with one t (features sharing a table) never take each other's rows.
       check: raise for concrete ids equal to `EMPTY_ID` (True), or take them as padding.
+      shard: the `Shard` `state` is (None: the whole table): the step decides its buckets
+        alone, and leaves the sketch's halving to the caller.
 
     Returns:
       A `StepResult`: the new state, each id's row and `found` after the step, the stats, and
@@ -354,9 +384,10 @@ def step(
         return StepResult(state, jnp.zeros(batch, jnp.int32), jnp.zeros(batch, bool),
                           StepStats(*([zero] * 6)), *empty)  # fmt: skip
     reserved = is_reserved(flat)
+    bucket, _ = _buckets(config, flat, shard)  # nb: another shard's id
 
     # 1. distinct ids: u_* are [M], padded past the U distinct ones with bucket nb.
-    u_bucket, u_keys, u_mult, slot_uid = _distinct(config, flat, reserved)
+    u_bucket, u_keys, u_mult, slot_uid = _distinct(config, flat, jnp.where(reserved, nb, bucket))
     live = u_bucket < nb
 
     # 2. hits: touch last_seen and count (distinct ids hold distinct rows: no conflicts).
@@ -369,7 +400,7 @@ def step(
 
     # 3. counting: misses are candidates once their estimate reaches admit_after.
     miss = live & ~hit
-    sketch, total, est = _admission(config, state, u_keys, u_mult, miss)
+    sketch, total, est = _admission(config, state, u_keys, u_bucket, u_mult, miss)
     cand = miss & (est >= config.admit_after)
 
     # 4. sort 2: candidates by (bucket, estimate descending, id); the rest sort last.
@@ -396,7 +427,7 @@ def step(
         sketch=sketch,
         sketch_total=total,
     )
-    if config.uses_sketch:  # 5. halving, once per sketch_window counts
+    if config.uses_sketch and shard is None:  # 5. halving, once per sketch_window counts
         halved = jax.lax.cond(
             total[0] >= config.sketch_window,
             lambda sk, tot: (sk >> 1, tot >> 1),
@@ -419,7 +450,7 @@ def step(
         evicted=jnp.sum(evicted, dtype=jnp.int32),
         refused=jnp.sum(is_cand & ~assign, dtype=jnp.int32),
         pending=jnp.sum(miss & ~cand, dtype=jnp.int32),
-        reserved=jnp.sum(reserved, dtype=jnp.int32),
+        reserved=jnp.sum(reserved, dtype=jnp.int32),  # every shard counts them all
     )
     return StepResult(
         new_state, rows.reshape(batch), (rows < cap).reshape(batch), stats, reset_rows,

@@ -39,16 +39,25 @@ import numpy as np
 from jaxembed.dynamic.config import POLICIES, DynamicState, DynamicTableConfig, StepStats
 from jaxembed.dynamic.keys import as_keys
 from jaxembed.kernels import native
-from jaxembed.kernels.remap import StepResult, check_state, check_step_index
+from jaxembed.kernels.remap import Shard, StepResult, check_state, check_step_index
 
 __all__ = ["available", "lookup", "step"]
 
 available = native.available
 
 
+def _place(config: DynamicTableConfig, shard: Shard | None) -> tuple[jax.Array, np.int64]:
+    """The shard's first bucket (an int32 operand) and the table's buckets (0: whole)."""
+    if shard is None:
+        return jnp.zeros((), jnp.int32), np.int64(0)
+    first = jnp.asarray(shard.first_bucket).astype(jnp.int32).reshape(())
+    return first, np.int64(shard.num_buckets)
+
+
 def lookup(
-    config: DynamicTableConfig, state: DynamicState, ids: Any, *, check: bool = True
-) -> tuple[jax.Array, jax.Array]:
+    config: DynamicTableConfig, state: DynamicState, ids: Any, *, check: bool = True,
+    shard: Shard | None = None,
+) -> tuple[jax.Array, jax.Array]:  # fmt: skip
     """`jaxembed.kernels.remap.lookup` (same arguments, same results, bitwise) in C++: each
     id's row (capacity where none) and whether it has one.
 
@@ -62,8 +71,9 @@ def lookup(
     flat = keys.reshape(-1, 2)  # uint32[M, 2]
     m = flat.shape[0]
     out = (jax.ShapeDtypeStruct((m,), jnp.int32), jax.ShapeDtypeStruct((m,), jnp.bool_))
-    rows, found = native._call("jaxembed_remap_lookup", out, flat, state.keys,
-                               bucket_size=np.int64(config.bucket_size),
+    first, total = _place(config, shard)
+    rows, found = native._call("jaxembed_remap_lookup", out, flat, state.keys, first,
+                               bucket_size=np.int64(config.bucket_size), num_buckets=total,
                                seed=np.int64(config.seed), num_threads=threads)  # fmt: skip
     return rows.reshape(batch), found.reshape(batch)
 
@@ -75,6 +85,7 @@ def step(
     step_index: Any,
     *,
     check: bool = True,
+    shard: Shard | None = None,
 ) -> StepResult:
     """`jaxembed.kernels.remap.step` (same arguments, same results, bitwise) in C++.
 
@@ -100,14 +111,17 @@ def step(
         like((m,), jnp.int32),  # reset_rows
         like((m, 2), jnp.uint32),  # evicted_keys
     )
-    aliases = {2 + k: k for k in range(len(state))}  # operands: ids, t, then the state
+    aliases = {3 + k: k for k in range(len(state))}  # operands: ids, t, first, then the state
+    first, total = _place(config, shard)
     res = native._call(
-        "jaxembed_remap_step", out, flat, t, *state, aliases=aliases,
+        "jaxembed_remap_step", out, flat, t, first, *state, aliases=aliases,
         bucket_size=np.int64(config.bucket_size),
+        num_buckets=total,
         admit_after=np.int64(config.admit_after),
         policy=np.int64(POLICIES.index(config.policy)),
         ttl_steps=np.int64(config.ttl_steps or 0),
         sketch_window=np.int64(config.sketch_window),
+        halve=np.int64(shard is None),
         seed=np.int64(config.seed),
         num_threads=threads,
     )  # fmt: skip

@@ -140,7 +140,8 @@ class DynamicEmbed(nn.Module):
         read_only = bool(self.deterministic if deterministic is None else deterministic)
         reset = None
         if read_only or self.is_initializing():
-            rows = rows_for(cfg, remap.value, ids, impl=self.impl, mesh=mesh, check_ids=False)
+            rows = rows_for(cfg, remap.value, ids, impl=self.impl, mesh=mesh, weight_spec=spec,
+                            check_ids=False)  # fmt: skip
         else:
             if not self.is_mutable_collection("dynamic"):
                 raise ValueError(

@@ -175,8 +175,9 @@ class DynamicEmbed(nnx.Module):
         reset = None
         if self.deterministic if deterministic is None else deterministic:
             rows = rows_for(
-                cfg, self.remap.get_value(), ids, impl=self.impl, mesh=mesh, check_ids=False
-            )
+                cfg, self.remap.get_value(), ids, impl=self.impl, mesh=mesh, weight_spec=spec,
+                check_ids=False,
+            )  # fmt: skip
             table = self.embedding[...]
         else:
             dyn = DynamicTable(self.embedding[...], self.remap.get_value())

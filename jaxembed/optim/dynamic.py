@@ -27,13 +27,18 @@ the leaves of `optimizer.init` of a one-row table whose leading dim is 1 are the
 ones, and their values are what a reset row gets (`count`, the global step, is not reset:
 lazy Adam's bias correction stays the global step's, as for a row touched for the first time).
 
-**Sharding (first version).** The table and its per-row optimizer state may be split over
-the mesh ("rows" placement, `P("model", None)`; a hidden split works too); the remap's state
-is replicated and every device runs the remap on all the batch's ids inside one `shard_map`,
-then resets the reset rows it owns. This is correct and deterministic but not yet work ÷ n:
-the owner-routed remap (each id hashed to its owner shard, `keys.owner_of`, the state split
-with the table) is the next step. Only block row sharding (`row_sharding="block"`, the
-default) is supported.
+**Sharding.** The table and its per-row optimizer state may be split over the mesh ("rows"
+placement, `P("model", None)`; a hidden split works too). The remap's state splits with the
+rows (`state_specs`): row shard s of n holds buckets `[s·nb/n, (s+1)·nb/n)`, their keys,
+last_seen and count, and their columns of the bucket-local sketch, so an id's owner is the
+shard holding its bucket (`keys.owner_of`). Inside one `shard_map` every shard hashes the
+batch's ids, probes and decides only its own, and the table's answer is assembled from
+id-sized collectives: each id's row (a `pmin` of int32[B]), the reset rows in the one-device
+order, the counts summed, the sketch halved on the summed total. The result is the one
+device's, bit for bit; state memory and probing are ÷ n, hashing the batch is not. An id's
+bucket and row do not depend on n, so a checkpoint restores onto any shard count that splits
+the buckets whole. Only block row sharding (`row_sharding="block"`, the default) is
+supported.
 
 Examples:
   >>> import jax, jax.numpy as jnp, numpy as np
@@ -95,6 +100,7 @@ __all__ = [
     "reset_optimizer_rows",
     "reset_table_rows",
     "rows_for",
+    "state_specs",
 ]
 
 IMPLS = ("auto", "xla", "native")
@@ -105,7 +111,8 @@ class DynamicTable(NamedTuple):
 
     Attributes:
       table: f32 / bf16 `[capacity, H]`, an ordinary table (row-split like any other).
-      state: the remap's `DynamicState` (which id holds each row; replicated for now).
+      state: the remap's `DynamicState` (which id holds each row), split with the table's
+        rows (`state_specs`).
     """
 
     table: jax.Array
@@ -136,13 +143,15 @@ def _check_split(config: DynamicTableConfig, hidden: int, mesh: Any, spec: P) ->
                 f"{dict(sizes)} does not have"
             )
         shards = math.prod(sizes[a] for a in axes)
-        if n % shards:
-            step = math.lcm(config.bucket_size, shards) if dim == 0 else shards
+        whole = config.num_buckets if dim == 0 else n  # rows split in whole buckets
+        if whole % shards:
+            step = config.bucket_size * shards if dim == 0 else shards
             up = -(-n // step) * step
+            each = f" of whole buckets of {config.bucket_size}" if dim == 0 else ""
             raise ValueError(
                 f"{what} {n} does not divide over mesh axes {axes} (size {shards}) of mesh "
-                f"{dict(sizes)}: use {what}={up} (a multiple of {step}), or split the table's "
-                "dim over fewer devices"
+                f"{dict(sizes)} into shards{each}: use {what}={up} (a multiple of {step}), "
+                "or split the table's dim over fewer devices"
             )
 
 
@@ -181,11 +190,34 @@ def _check_impl(impl: Any) -> Any:
 
 
 class _Layout(NamedTuple):
-    """Where a step runs: the mesh (None: one device), the table's spec, each row leaf's."""
+    """Where a step runs: the mesh (None: one device), the table's spec, each row leaf's, and
+    the mesh axes the rows (and the remap's state) are split over, with their size."""
 
     mesh: Any
     table_spec: P | None
     leaf_specs: tuple[P | None, ...]
+    row_axes: tuple[str, ...] = ()
+    shards: int = 1
+
+
+def state_specs(config: DynamicTableConfig, row_axes: Any) -> DynamicState:
+    """The remap state's layout for a table whose rows split over `row_axes` (a
+    `PartitionSpec` entry: None, an axis or a tuple of axes): each shard holds its rows'
+    keys, last_seen and count and its buckets' sketch counters; the total (and an unused
+    sketch's placeholder) is replicated.
+
+    Examples:
+      >>> cfg = DynamicTableConfig(capacity=64, admit_after=2)
+      >>> state_specs(cfg, "model").sketch, state_specs(cfg, None).keys
+      (P(None, 'model'), P())
+    """
+    axes = axes_of(row_axes)
+    if not axes:
+        return DynamicState(*([P()] * len(DynamicState._fields)))
+    r = axes[0] if len(axes) == 1 else axes
+    sketch = P(None, r) if config.uses_sketch else P()
+    return DynamicState(keys=P(r, None), last_seen=P(r), count=P(r), sketch=sketch,
+                        sketch_total=P())  # fmt: skip
 
 
 def _layout(config, table, leaves, mesh, weight_spec) -> _Layout:
@@ -205,7 +237,9 @@ def _layout(config, table, leaves, mesh, weight_spec) -> _Layout:
     for leaf in leaves:  # a leaf's own layout, else the one opt.init gives it
         own = stated_spec(leaf, mesh)
         specs.append(own if own is not None else P(spec[0], *tuple(spec)[1 : leaf.ndim]))
-    return _Layout(mesh, spec, tuple(specs))
+    axes = axes_of(spec[0])
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    return _Layout(mesh, spec, tuple(specs), axes, math.prod(sizes[a] for a in axes))
 
 
 def _keys_spec(keys: jax.Array, mesh: Any) -> P:
@@ -231,15 +265,60 @@ class _Static(NamedTuple):
 
 
 def _body(s: _Static, state, keys, t, key, table, leaves, fresh):
-    """One device's step: the remap on all ids, then the reset of the rows it holds.
+    """One device's step: the remap of its shard's ids, then the reset of its rows.
 
     With n row shards and m hidden shards (1 and 1 on one device):
-    # state, keys u32[*B, 2], t, key, fresh (one row per per-row leaf): replicated
+    # keys u32[*B, 2], t, key, fresh (one row per per-row leaf): replicated
+    # state: the shard's (keys u32[V/n, 2], last_seen / count i32[V/n], sketch i32[D, W/n])
     # table: f[V/n, H/m]   leaves: the optimizer state's per-row leaves, [V/n, ...] each
     """
-    res = s.engine.step(s.config, state, keys, t, check=False)  # rows i32[*B], reset_rows i32[M]
-    table, new_leaves = _reset(s, res.reset_rows, key, t, table, tuple(leaves), fresh)
-    return res.state, res.rows, res.stats, table, new_leaves, res.reset_rows
+    if s.layout.shards == 1:
+        res = s.engine.step(s.config, state, keys, t, check=False)  # rows i32[*B], reset i32[M]
+        new_state, rows, stats, reset, own_reset = res.state, res.rows, res.stats, *(
+            res.reset_rows,) * 2  # fmt: skip
+    else:
+        new_state, rows, stats, reset, own_reset = _shard_step(s, state, keys, t)
+    table, new_leaves = _reset(s, own_reset, key, t, table, tuple(leaves), fresh)
+    return new_state, rows, stats, table, new_leaves, reset
+
+
+def _shard_step(s: _Static, state, keys, t):
+    """One row shard's remap: its own buckets' ids decided on its own state, then the
+    table's answer on every shard (each id's row from its owner, the reset rows in the
+    reference's order, the counts summed) and the sketch's halving on the total of all.
+
+    # keys u32[*B, 2] (every shard sees every id), M = its slots
+    # -> rows i32[*B], reset i32[M] (the table's, in order), own i32[M] (the shard's first)
+    """
+    axes, n, cap = s.layout.row_axes, s.layout.shards, s.config.capacity
+    cfg = s.config.shard(n)
+    me = jax.lax.axis_index(axes)
+    first = me * cfg.num_buckets
+    res = s.engine.step(cfg, state, keys, t, check=False,
+                        shard=remap.Shard(first, s.config.num_buckets))  # fmt: skip
+    offset = first * cfg.bucket_size  # the shard's first row in the table
+    rows = jax.lax.pmin(jnp.where(res.found, res.rows + offset, cap), axes)  # one owner an id
+    own = jnp.where(res.reset_rows < cfg.capacity, res.reset_rows + offset, cap)  # i32[M]
+    m = own.shape[0]
+    placed = res.stats.admitted  # the shard's reset rows, first in `own`
+    before = jnp.sum(jnp.where(jnp.arange(n) < me, jax.lax.all_gather(placed, axes), 0))
+    at = jnp.arange(m, dtype=jnp.int32)
+    at = jnp.where(at < placed, before + at, m)  # shards in order: buckets ascending
+    reset = jax.lax.pmin(jnp.full((m,), cap, jnp.int32).at[at].set(own, mode="drop"), axes)
+    stats = StepStats(*(jax.lax.psum(x, axes) for x in res.stats[:-1]), res.stats.reserved)
+    new_state = res.state
+    if cfg.uses_sketch:  # every shard's counts, then the halving the whole table's step does
+        total = state.sketch_total + jax.lax.psum(res.state.sketch_total - state.sketch_total,
+                                                  axes)  # fmt: skip
+        sketch, total = jax.lax.cond(
+            total[0] >= cfg.sketch_window,
+            lambda sk, tot: (sk >> 1, tot >> 1),
+            lambda sk, tot: (sk, tot),
+            res.state.sketch,
+            total,
+        )
+        new_state = new_state._replace(sketch=sketch, sketch_total=total)
+    return new_state, rows, stats, reset, own
 
 
 def _reset_chunk(m: int) -> int:
@@ -288,17 +367,17 @@ def _run(s: _Static, state, keys, t, key, table, leaves, fresh):
         new_leaves = tuple(typed_like(n, o) for n, o in zip(new_leaves, leaves, strict=True))
         return new_state, rows, stats, new_table, new_leaves, reset
     mesh, rep = lay.mesh, P()
-    state = jax.tree.map(lambda a: move(a, mesh, rep), state)
+    specs = state_specs(s.config, lay.row_axes)
+    state = jax.tree.map(lambda a, sp: move(a, mesh, sp), state, specs)
     ids_spec = _keys_spec(keys, mesh)
-    keys = move(keys, mesh, rep)  # every device runs the remap on all ids (for now)
+    keys = move(keys, mesh, rep)  # every device sees every id, and decides its shard's
     fresh = tuple(move(f, mesh, rep) for f in fresh)
-    state_specs = DynamicState(*([rep] * len(DynamicState._fields)))
     stats_specs = StepStats(*([rep] * len(StepStats._fields)))
     step = jax.shard_map(
         lambda *a: _body(s, *a),
         mesh=mesh,
-        in_specs=(state_specs, rep, rep, rep, lay.table_spec, lay.leaf_specs, (rep,) * len(fresh)),
-        out_specs=(state_specs, rep, stats_specs, lay.table_spec, lay.leaf_specs, rep),
+        in_specs=(specs, rep, rep, rep, lay.table_spec, lay.leaf_specs, (rep,) * len(fresh)),
+        out_specs=(specs, rep, stats_specs, lay.table_spec, lay.leaf_specs, rep),
         check_vma=False,  # the native remap is a custom call, typed by no VMA rule
     )
     new_state, rows, stats, new_table, new_leaves, reset = step(
@@ -623,7 +702,8 @@ def init_table(
     weight_spec: P | None = None,
 ) -> DynamicTable:
     """An empty dynamic table: zero rows (each is initialised when an id is admitted to it)
-    and an empty remap, laid out on `mesh` (the table as `weight_spec`, the state replicated).
+    and an empty remap, laid out on `mesh` (the table as `weight_spec`, the state split with
+    its rows: `state_specs`).
 
     Args:
       config: the table.
@@ -646,8 +726,9 @@ def init_table(
       >>> mesh = jax.make_mesh((8,), ("model",))
       >>> dyn = init_table(DynamicTableConfig(capacity=64, bucket_size=8), 4, mesh=mesh,
       ...                  weight_spec=P("model", None))
-      >>> dyn.table.sharding.spec, dyn.state.keys.sharding.spec
-      (P('model', None), P())
+      >>> state = dyn.state  # split with the rows, but for the sketch's total
+      >>> dyn.table.sharding.spec, state.keys.sharding.spec, state.sketch_total.sharding.spec
+      (P('model', None), P('model', None), P())
     """
     remap.init_state(config)  # checks the config
     if isinstance(hidden, bool) or not isinstance(hidden, int | np.integer) or hidden < 1:
@@ -671,12 +752,13 @@ def init_table(
         if mesh.empty:
             raise ValueError("init_table: pass a concrete jax.sharding.Mesh to place the table on")
     place = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
-    return DynamicTable(place(table, spec), jax.tree.map(lambda a: place(a, P()), state))
+    specs = state_specs(config, spec[0])
+    return DynamicTable(place(table, spec), jax.tree.map(place, state, specs))
 
 
 def rows_for(
     config: DynamicTableConfig, state: DynamicState | DynamicTable, ids: Any, *,
-    impl: str = "auto", mesh: Any = None, check_ids: bool = True,
+    impl: str = "auto", mesh: Any = None, weight_spec: P | None = None, check_ids: bool = True,
 ) -> jax.Array:  # fmt: skip
     """Each id's row for serving and evaluation: read-only, no admission, no counting.
 
@@ -686,8 +768,11 @@ def rows_for(
       ids: raw ids in a form `jaxembed.dynamic.as_keys` takes (keys under `jit`).
       impl: `"xla"` (plain StableHLO: an exported serving function needs no jaxembed),
         `"native"`, or `"auto"` (native where built).
-      mesh: the mesh; default `jax.set_mesh`'s, else the state's. Each device looks up the
-        ids it holds (the state is replicated).
+      mesh: the mesh; default `jax.set_mesh`'s, else the state's. With the state split by
+        rows, each shard looks its buckets' ids up and the owner's answer reaches every
+        device; otherwise each device looks up the ids it holds.
+      weight_spec: the table's layout where the state's cannot be read (traced in an Auto
+        mesh, where the state is otherwise read whole): its row entry is the state's split.
       check_ids: raise for concrete ids equal to `EMPTY_ID` (True), or take them as padding
         (False), as traced ids always are.
 
@@ -712,17 +797,44 @@ def rows_for(
         one = lambda st, k: engine.lookup(config, st, k, check=False)[0]
         state, keys = jax.tree.map(whole_on_one_device, state), whole_on_one_device(keys)
         return (jax.jit(one) if eager(state, keys) else one)(state, keys)
-    spec, rep = _keys_spec(keys, mesh), P()
-    state = jax.tree.map(lambda a: move(a, mesh, rep), state)
+    spec = _keys_spec(keys, mesh)
+    row_axes = _state_row_axes(state, mesh, weight_spec)
+    _check_split(config, 1, mesh, P(row_axes or None, None))
+    if row_axes:  # every shard sees the ids: the batch stays split over the other axes only
+        spec = P(*(_without(e, row_axes) for e in spec))
+    specs = state_specs(config, row_axes)
+    state = jax.tree.map(lambda a, sp: move(a, mesh, sp), state, specs)
     keys = move(keys, mesh, spec)
-    out = P(*tuple(spec)[:-1])
-    look = jax.shard_map(
-        lambda st, k: engine.lookup(config, st, k, check=False)[0],
-        mesh=mesh,
-        in_specs=(DynamicState(*([rep] * len(DynamicState._fields))), spec),
-        out_specs=out,
-        check_vma=False,
-    )
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    n = math.prod(sizes[a] for a in row_axes)
+
+    def one(st, k):  # st: the shard's state; k u32[*b, 2] -> i32[*b]
+        if n == 1:
+            return engine.lookup(config, st, k, check=False)[0]
+        cfg = config.shard(n)
+        first = jax.lax.axis_index(row_axes) * cfg.num_buckets
+        rows, found = engine.lookup(cfg, st, k, check=False,
+                                    shard=remap.Shard(first, config.num_buckets))  # fmt: skip
+        rows = jnp.where(found, rows + first * cfg.bucket_size, config.capacity)
+        return jax.lax.pmin(rows, row_axes)
+
+    look = jax.shard_map(one, mesh=mesh, in_specs=(specs, spec), out_specs=P(*tuple(spec)[:-1]),
+                         check_vma=False)  # fmt: skip
     if eager(state, keys):
         look = jax.jit(look)
     return look(state, keys)
+
+
+def _without(entry: Any, axes: tuple[str, ...]) -> Any:
+    """A `PartitionSpec` entry without `axes`."""
+    kept = tuple(a for a in axes_of(entry) if a not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
+def _state_row_axes(state: DynamicState, mesh: Any, weight_spec: P | None) -> tuple[str, ...]:
+    """The mesh axes the state's rows are split over: the table's row entry where given,
+    else read from its keys' layout."""
+    if weight_spec is not None:
+        return axes_of(_spec2(weight_spec)[0])
+    spec = stated_spec(state.keys, mesh)  # None: traced in an Auto mesh (read it whole)
+    return axes_of(next(iter(spec))) if spec is not None and tuple(spec) else ()

@@ -33,13 +33,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxembed.collection.layout import CollectionLayout
 from jaxembed.dynamic.config import DynamicState, StepStats
 from jaxembed.kernels import remap
 from jaxembed.kernels.arrays import resolve_mesh
-from jaxembed.optim.dynamic import DynamicTable, remap_table, reset_optimizer_rows, rows_for
+from jaxembed.optim.dynamic import (
+    DynamicTable,
+    remap_table,
+    reset_optimizer_rows,
+    rows_for,
+    state_specs,
+)
 
 __all__ = [
     "DEFAULT_INITIALIZER",
@@ -61,7 +66,8 @@ def dynamic_tables(layout: CollectionLayout) -> list[tuple[int, Any]]:
 
 
 def init_states(layout: CollectionLayout, *, mesh: Any = None) -> dict[str, DynamicState]:
-    """Every dynamic table's empty remap state, by table name (replicated on `mesh`).
+    """Every dynamic table's empty remap state, by table name (on `mesh`, split with its
+    stack's rows: `jaxembed.optim.dynamic.state_specs`).
 
     Examples:
       >>> from jaxembed.collection import FeatureConfig, TableConfig, layout_collection
@@ -76,7 +82,9 @@ def init_states(layout: CollectionLayout, *, mesh: Any = None) -> dict[str, Dyna
     for _, t in dynamic_tables(layout):
         state = remap.init_state(t.dynamic)
         if mesh is not None and isinstance(mesh, jax.sharding.Mesh):
-            state = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), state)
+            specs = state_specs(t.dynamic, (*layout.stack_of(t.name).spec, None)[0])
+            place = lambda a, sp: jax.device_put(a, NamedSharding(mesh, sp))
+            state = jax.tree.map(place, state, specs)
         out[t.name] = state
     return out
 
@@ -232,8 +240,9 @@ def read_rows(
     for _, t in dynamic_tables(layout):
         for f in (f for f in layout.features if f.table == t.name):
             ids, weights = _split(f.name, batch[f.name])
+            spec = layout.stack_of(t.name).spec
             rows = rows_for(t.dynamic, remaps[t.name], ids, impl=impl, mesh=mesh,
-                            check_ids=check_ids)  # fmt: skip
+                            weight_spec=spec, check_ids=check_ids)  # fmt: skip
             rows = jnp.where(rows == t.dynamic.capacity, -1, rows)
             batch[f.name] = rows if weights is None else (rows, weights)
     return batch

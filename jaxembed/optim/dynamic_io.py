@@ -107,11 +107,15 @@ class AdmissionState(NamedTuple):
       sketch: int32[depth, width] counters.
       sketch_total: int32[1], counts since the last halving.
       seed: uint32[1], the exported table's `config.seed`.
+      num_buckets: int32[1], the exported table's bucket count: each bucket counts in its own
+        columns of the sketch, so a sketch carries only into a table of as many buckets. None
+        in an export written before the sketch was bucket-local, which is never carried.
     """
 
     sketch: Any
     sketch_total: Any
     seed: Any
+    num_buckets: Any = None
 
 
 class RowExport(NamedTuple):
@@ -259,7 +263,10 @@ def export_rows(
     sketch = None  # orbax saves no zero-size array, and an unused sketch is int32[0, 0]
     if config.uses_sketch:
         sketch = AdmissionState(
-            _host(state.sketch), _host(state.sketch_total), np.array([config.seed], np.uint32)
+            _host(state.sketch),
+            _host(state.sketch_total),
+            np.array([config.seed], np.uint32),
+            np.array([config.num_buckets], np.int32),
         )
     return RowExport(
         ids=np.ascontiguousarray(keys[rows]),
@@ -551,7 +558,13 @@ def _sketch(config: DynamicTableConfig, sketch: Any) -> AdmissionState | None:
             f"sketch must be an AdmissionState(sketch int32[d, w], sketch_total int32[1], seed "
             f"uint32[1]), got shapes {[list(a.shape) for a in sk]}: pass export.sketch"
         )
-    same = int(sk.seed[0]) == config.seed and tuple(sk.sketch.shape) == config.sketch_shape
+    if sk.num_buckets is None or sk.num_buckets.shape != (1,):
+        return None  # an export of the former whole-table sketch, hashed otherwise
+    same = (
+        int(sk.seed[0]) == config.seed
+        and int(sk.num_buckets[0]) == config.num_buckets
+        and tuple(sk.sketch.shape) == config.sketch_shape
+    )
     return sk if same and config.uses_sketch else None
 
 

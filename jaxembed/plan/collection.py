@@ -436,13 +436,14 @@ def _search(auto, current, best, price, sizes, key, budget):
     return current, best
 
 
-def _dynamic_note(t: TableConfig) -> str:
-    """A dynamic table's line says so, and what its remap state adds to its memory."""
+def _dynamic_note(t: TableConfig, row_shards: int) -> str:
+    """A dynamic table's line says so, and what its remap state (split with its rows over
+    `row_shards`) adds to each device's memory."""
     if t.dynamic is None:
         return ""
     d = t.dynamic
     return (f"; dynamic ({d.policy}, admit after {d.admit_after}): + "
-            f"{format_bytes(d.state_bytes)} remap state on every device")  # fmt: skip
+            f"{format_bytes(d.shard(row_shards).state_bytes)} remap state a device")  # fmt: skip
 
 
 def _reason(chosen: str, results: dict[str, Any], budget: int) -> str:
@@ -509,7 +510,8 @@ def _assemble(ctx, best: LayoutCost, budget, reasons, tables) -> CollectionPlan:
             name=t.name, vocab_size=t.vocab_size, dim=t.dim, placement=p.placement,
             row_sharding=p.row_sharding, stack=layout.stacks[p.stack].name, exchange=exchange,
             wire_bytes=wire, modelled_ms=ms, memory_bytes=best.table_bytes[t.name],
-            reason=reasons.get(t.name, "fixed by its config") + _dynamic_note(t),
+            reason=reasons.get(t.name, "fixed by its config")
+            + _dynamic_note(t, layout.stacks[p.stack].num_shards),
         ))  # fmt: skip
     routes = any(c.exchange == "routed" for c in best.calls)
     stats = ctx.stats

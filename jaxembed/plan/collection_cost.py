@@ -487,8 +487,8 @@ def evaluate(
             held = _held_rows(layout, by_table[name], stack, shards)
             used += held * (row_bytes + state_row)
             table_bytes[name] = int(held.max() * (row_bytes + state_row))
-            if by_table[name].dynamic is not None:  # the remap's state, on every device
-                remap = by_table[name].dynamic.state_bytes
+            if by_table[name].dynamic is not None:  # the remap's state, split with the rows
+                remap = by_table[name].dynamic.shard(stack.num_shards).state_bytes
                 allocated, used = allocated + remap, used + remap
                 table_bytes[name] += remap
         members = [f for f in features if layout.placement(f.table).stack == stack.index]
