@@ -46,6 +46,7 @@ SUBCOMMANDS = {
     "dynamic-auc": "benchmarks.dynamic.auc",
     "dynamic-throughput": "benchmarks.dynamic.throughput",
     "dynamic-dlrm": "benchmarks.dynamic.dlrm_step",
+    "dynamic-sharded": "benchmarks.dynamic.sharded",
     "quant-fbgemm": "benchmarks.quant.fbgemm",
 }
 """`python -m benchmarks NAME ...` runs `main` of this module; no NAME runs `layouts`."""

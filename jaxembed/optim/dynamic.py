@@ -322,8 +322,8 @@ def _shard_step(s: _Static, state, keys, t):
 
 
 def _reset_chunk(m: int) -> int:
-    """Rows reset per pass: an eighth of the step's id slots (at least 64, at most all)."""
-    return min(m, max(64, -(-m // 8)))
+    """Rows reset per pass: a 32nd of the step's id slots (at least 64, at most all)."""
+    return min(m, max(64, -(-m // 32)))
 
 
 def _reset(s: _Static, reset: jax.Array, key, t, table, leaves, fresh):
