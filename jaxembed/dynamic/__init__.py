@@ -8,6 +8,8 @@ bucket is full (DESIGN.md, "Dynamic tables, serving, and work that divides by th
   (`as_keys`), the reserved empty id, and the hash that picks an id's bucket and owner;
 * `jaxembed.dynamic.config`: `DynamicTableConfig` (capacity, buckets, admission, eviction
   policy), the table's `DynamicState` and a step's `StepStats`;
+* `jaxembed.dynamic.ragged`: `RaggedKeys`, bags of raw ids of varying length (a
+  `jaxembed.Ragged` whose values are keys);
 * `jaxembed.dynamic.reference`: the policy one id at a time in Python, the specification the
   kernels are checked against.
 
@@ -25,12 +27,14 @@ from jaxembed.dynamic.keys import EMPTY_ID as EMPTY_ID
 from jaxembed.dynamic.keys import as_keys as as_keys
 from jaxembed.dynamic.keys import bucket_of as bucket_of
 from jaxembed.dynamic.keys import owner_of as owner_of
+from jaxembed.dynamic.ragged import RaggedKeys as RaggedKeys
 
 __all__ = [
     "EMPTY_ID",
     "POLICIES",
     "DynamicState",
     "DynamicTableConfig",
+    "RaggedKeys",
     "StepStats",
     "as_keys",
     "bucket_of",

@@ -4,9 +4,11 @@ A table whose `TableConfig.dynamic` is set is a dynamic table (`jaxembed.optim.d
 stack of its own (`layout_collection`): the stack's row r is the remap's row r, placed
 `"rows"` (block rows over the stack's axes) or `"replicated"`. Its features take raw 64-bit
 ids (`jaxembed.dynamic.as_keys` forms: keys `uint32[B, L, 2]` or `[B, 2]` under `jit`, with
-`(keys, weights)` for weighted features). `prepare` remaps them into ordinary row ids, resets
-the rows it gives out (table and optimizer state), and returns a batch the static collection
-path reads unchanged: `collection_lookup` and `collection_update`.
+`(keys, weights)` for weighted features, or bags of varying length as a
+`jaxembed.dynamic.RaggedKeys`). `prepare` remaps them into ordinary row ids, resets the rows it
+gives out (table and optimizer state), and returns a batch the static collection path reads
+unchanged: `collection_lookup` and `collection_update` (ragged bags as a `jaxembed.Ragged` of
+rows, the slots that got no row dropped from their bags).
 
     batch, stacks, states, remaps, stats = prepare(layout, stacks, states, remaps, batch, t,
                                                    key=key, optimizer=opt)
@@ -27,7 +29,7 @@ For a training loop that holds the optimizer state elsewhere (`jaxembed.nnx`'s c
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -36,6 +38,7 @@ from jax.sharding import NamedSharding
 
 from jaxembed.collection.layout import CollectionLayout
 from jaxembed.dynamic.config import DynamicState, StepStats
+from jaxembed.dynamic.ragged import RaggedKeys, in_bag_keys, to_ragged
 from jaxembed.kernels import remap
 from jaxembed.kernels.arrays import resolve_mesh
 from jaxembed.optim.dynamic import (
@@ -45,6 +48,7 @@ from jaxembed.optim.dynamic import (
     rows_for,
     state_specs,
 )
+from jaxembed.ragged import Ragged, segments_from_lengths
 
 __all__ = [
     "DEFAULT_INITIALIZER",
@@ -89,17 +93,30 @@ def init_states(layout: CollectionLayout, *, mesh: Any = None) -> dict[str, Dyna
     return out
 
 
-def _split(feature: str, value: Any) -> tuple[Any, Any]:
+def _split(feature: str, value: Any) -> tuple[Any, Callable[[jax.Array], Any], Any]:
+    """(the keys the remap sees, the feature's new input from its rows (int32, -1: no row),
+    the remap's slots that hold no id: a ragged block's slots past its total, which the remap
+    sees as `EMPTY_ID` and `StepStats.reserved` must not count)."""
+    if isinstance(value, RaggedKeys):
+        past = jnp.sum(segments_from_lengths(value.lengths, value.capacity) < 0, dtype=jnp.int32)
+        return in_bag_keys(value), lambda rows: to_ragged(value, rows), past
     if isinstance(value, tuple) and len(value) == 2:
-        return value
+        ids, weights = value
+        return ids, lambda rows: (rows, weights), 0
+    if isinstance(value, Ragged):
+        raise TypeError(
+            f"feature {feature!r} reads a dynamic table, whose ids are raw 64-bit ids, but its "
+            f"input is a jaxembed.Ragged of {value.values.dtype} ids: pass its bags as "
+            "jaxembed.dynamic.RaggedKeys (RaggedKeys.from_lists(bags), or RaggedKeys(keys "
+            "uint32[*lead, N, 2], lengths))"
+        )
     if not hasattr(value, "shape") or not hasattr(value, "dtype"):
         raise TypeError(
             f"feature {feature!r} reads a dynamic table: its input must be raw ids (keys "
-            f"uint32[B, L, 2] or [B, 2], int64 with x64) or (ids, weights), got "
-            f"{type(value).__name__} (a jaxembed.Ragged input is not supported for dynamic "
-            "tables: pad the bags with EMPTY_ID, -1)"
+            f"uint32[B, L, 2] or [B, 2], int64 with x64), (ids, weights) or a "
+            f"jaxembed.dynamic.RaggedKeys, got {type(value).__name__}"
         )
-    return value, None
+    return value, lambda rows: rows, 0
 
 
 def remap_collection(
@@ -132,15 +149,15 @@ def remap_collection(
         stack = layout.stack_of(t.name)
         dyn, total, reset = DynamicTable(stacks[stack.index], remaps[t.name]), None, []
         for f in (f for f in layout.features if f.table == t.name):
-            ids, weights = _split(f.name, batch[f.name])
+            ids, finish, not_ids = _split(f.name, batch[f.name])
             rows, dyn, rows_reset, step = remap_table(
                 t.dynamic, dyn, ids, step_index,
                 initializer=t.initializer or DEFAULT_INITIALIZER,
                 key=jax.random.fold_in(key, index), impl=impl, mesh=mesh,
                 weight_spec=stack.spec, check_ids=check_ids,
             )  # fmt: skip
-            rows = jnp.where(rows == t.dynamic.capacity, -1, rows)  # no row: no id
-            batch[f.name] = rows if weights is None else (rows, weights)
+            batch[f.name] = finish(jnp.where(rows == t.dynamic.capacity, -1, rows))
+            step = step._replace(reserved=step.reserved - not_ids)
             total = step if total is None else StepStats(*map(jnp.add, total, step))
             reset.append(rows_reset)
         stacks[stack.index], remaps[t.name] = dyn.table, dyn.state
@@ -187,8 +204,8 @@ def prepare(
 
     Raises:
       KeyError: a dynamic table without a remap state.
-      TypeError, ValueError: as `jaxembed.optim.dynamic.prepare`; a `Ragged` input for a
-        dynamic feature.
+      TypeError, ValueError: as `jaxembed.optim.dynamic.prepare`; a `jaxembed.Ragged` input
+        for a dynamic feature (its bags go as a `jaxembed.dynamic.RaggedKeys`).
     """
     if optimizer is None and states is not None:
         raise ValueError(
@@ -239,10 +256,9 @@ def read_rows(
     batch = dict(batch)
     for _, t in dynamic_tables(layout):
         for f in (f for f in layout.features if f.table == t.name):
-            ids, weights = _split(f.name, batch[f.name])
+            ids, finish, _ = _split(f.name, batch[f.name])
             spec = layout.stack_of(t.name).spec
             rows = rows_for(t.dynamic, remaps[t.name], ids, impl=impl, mesh=mesh,
                             weight_spec=spec, check_ids=check_ids)  # fmt: skip
-            rows = jnp.where(rows == t.dynamic.capacity, -1, rows)
-            batch[f.name] = rows if weights is None else (rows, weights)
+            batch[f.name] = finish(jnp.where(rows == t.dynamic.capacity, -1, rows))
     return batch
