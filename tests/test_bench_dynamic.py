@@ -34,3 +34,4 @@ def test_quick_sharded_record(tmp_path):
     whole = cases["1 device"]["state_bytes_per_device"]
     assert cases["replicated on 8"]["state_bytes_per_device"] == whole
     assert cases["rows over 8"]["state_bytes_per_device"] == (whole - 4) // 8 + 4
+    assert cases["rows over 8, routed"]["state_bytes_per_device"] == (whole - 4) // 8 + 4

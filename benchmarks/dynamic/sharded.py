@@ -16,6 +16,9 @@ the ranks new each `steps_per_day` steps, the throughput benchmark's stream):
 * `rows over 8`: the table's rows over 8 devices, `P("model", None)`; the remap state splits
   with them (`state_specs`): each device owns an eighth of the buckets and probes only their
   ids, and the answer is put together from id-sized collectives.
+* `rows over 8, routed`: the same, with the batch split over the same axis (`P("model")`):
+  each device sends its ids to their owners and gets their rows back (`all_to_all`,
+  `jaxembed.kernels.remap_routed`), instead of every device seeing every id.
 * `replicated on 8`: table and state whole on every device; each device remaps the batch.
 
 Each case is warmed (`warmup_steps`, untimed), then the cases step in interleaved rounds, each
@@ -43,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-CASES = ("1 device", "rows over 8", "replicated on 8")
+CASES = ("1 device", "rows over 8", "rows over 8, routed", "replicated on 8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,10 +92,11 @@ def run_sharded(config: ShardedConfig, say=lambda s: None) -> dict[str, Any]:
     devices = jax.devices()
     if len(devices) < 8:
         raise RuntimeError(f"needs 8 devices, got {len(devices)}: start a fresh process")
-    layouts = {
-        "1 device": (devices[:1], P()),
-        "rows over 8": (devices[:8], P("model", None)),
-        "replicated on 8": (devices[:8], P()),
+    layouts = {  # the devices, the table's layout, the batch's
+        "1 device": (devices[:1], P(), P()),
+        "rows over 8": (devices[:8], P("model", None), P()),
+        "rows over 8, routed": (devices[:8], P("model", None), P("model")),
+        "replicated on 8": (devices[:8], P(), P()),
     }
 
     def step(dyn, opt_state, keys, t):
@@ -102,24 +106,25 @@ def run_sharded(config: ShardedConfig, say=lambda s: None) -> dict[str, Any]:
 
     batches = _stream(config, config.warmup_steps + config.rounds)
     state: dict[str, Any] = {}
-    for name, (devs, spec) in layouts.items():
+    for name, (devs, spec, ids_spec) in layouts.items():
         mesh = jax.make_mesh((len(devs),), ("model",), axis_types=(AxisType.Explicit,),
                              devices=devs)  # fmt: skip
         with jax.set_mesh(mesh):
             dyn = D.init_table(cfg, config.hidden, mesh=mesh, weight_spec=spec)
             opt_state = opt.init(dyn.table)
-        rep = NamedSharding(mesh, P())
-        args = (dyn, opt_state, jax.device_put(batches[0], rep), jax.device_put(np.int32(0), rep))
+        rep, ids = NamedSharding(mesh, P()), NamedSharding(mesh, ids_spec)
+        args = (dyn, opt_state, jax.device_put(batches[0], ids), jax.device_put(np.int32(0), rep))
         with jax.set_mesh(mesh):
             compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile()
         per_device = sum(leaf.addressable_shards[0].data.nbytes for leaf in dyn.state)
-        state[name] = {"mesh": mesh, "rep": rep, "fn": compiled, "dyn": dyn, "opt": opt_state,
-                       "times": [], "rows": [], "state_bytes_per_device": per_device}  # fmt: skip
+        state[name] = {"mesh": mesh, "rep": rep, "ids": ids, "fn": compiled, "dyn": dyn,
+                       "opt": opt_state, "times": [], "rows": [],
+                       "state_bytes_per_device": per_device}  # fmt: skip
         say(f"[sharded] {name}: compiled; state {per_device / 2**20:.2f} MiB a device")
 
     def one(name, t, timed):
         s = state[name]
-        keys = jax.device_put(batches[t], s["rep"])
+        keys = jax.device_put(batches[t], s["ids"])
         t_arr = jax.device_put(np.int32(t), s["rep"])
         start = time.perf_counter()
         with jax.set_mesh(s["mesh"]):

@@ -17,7 +17,8 @@
   the device that holds its table; an optimizer reaches it as a value, `local_update`);
 * `jaxembed.kernels.cross_entropy`: the vocab-parallel cross-entropy's bodies;
 * `jaxembed.kernels.remap`, `jaxembed.kernels.remap_native`: a dynamic table's remap (raw
-  64-bit id to row, admission, eviction), XLA and its C++ twin;
+  64-bit id to row, admission, eviction), XLA and its C++ twin; `jaxembed.kernels.remap_routed`:
+  each id sent to the row shard that owns it, its row sent back;
 * `jaxembed.kernels.quant`, `jaxembed.kernels.quant_native`: gathers and pooled sums on a
   row-wise quantized shard (XLA, and its C++ twin that unpacks, dequantizes and pools in one
   pass); `jaxembed.kernels.tables`: what a lookup takes as its table (float or quantized).

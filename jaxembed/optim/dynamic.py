@@ -31,11 +31,14 @@ lazy Adam's bias correction stays the global step's, as for a row touched for th
 placement, `P("model", None)`; a hidden split works too). The remap's state splits with the
 rows (`state_specs`): row shard s of n holds buckets `[s·nb/n, (s+1)·nb/n)`, their keys,
 last_seen and count, and their columns of the bucket-local sketch, so an id's owner is the
-shard holding its bucket (`keys.owner_of`). Inside one `shard_map` every shard hashes the
-batch's ids, probes and decides only its own, and the table's answer is assembled from
-id-sized collectives: each id's row (a `pmin` of int32[B]), the reset rows in the one-device
-order, the counts summed, the sketch halved on the summed total. The result is the one
-device's, bit for bit; state memory and probing are ÷ n, hashing the batch is not. An id's
+shard holding its bucket (`keys.owner_of`). Inside one `shard_map` each shard probes and
+decides only its own ids. Where the batch is split over the rows' axes each device sends its
+slots to their owners and gets their rows back (`jaxembed.kernels.remap_routed`; a step that
+overflows the places gathers instead); elsewhere every shard hashes the whole batch and each
+id's row is a `pmin` of int32[B]. The table's answer is assembled from id-sized collectives:
+the reset rows in the one-device order, the counts summed, the sketch halved on the summed
+total. The result is the one device's, bit for bit; state memory and probing are ÷ n, and
+routed, hashing and the ids' bytes too. An id's
 bucket and row do not depend on n, so a checkpoint restores onto any shard count that splits
 the buckets whole. Only block row sharding (`row_sharding="block"`, the default) is
 supported.
@@ -69,8 +72,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxembed.dynamic.config import DynamicState, DynamicTableConfig, StepStats
-from jaxembed.dynamic.keys import as_keys
-from jaxembed.kernels import remap, remap_native
+from jaxembed.dynamic.keys import as_keys, is_reserved
+from jaxembed.kernels import remap, remap_native, remap_routed
 from jaxembed.kernels.arrays import (
     eager,
     move,
@@ -262,6 +265,7 @@ class _Static(NamedTuple):
     initializer: Any
     hidden: int  # H, the table's global width
     layout: _Layout
+    routed: bool = False  # the batch split over the row axes: each id sent to its owner
 
 
 def _body(s: _Static, state, keys, t, key, table, leaves, fresh):
@@ -276,6 +280,8 @@ def _body(s: _Static, state, keys, t, key, table, leaves, fresh):
         res = s.engine.step(s.config, state, keys, t, check=False)  # rows i32[*B], reset i32[M]
         new_state, rows, stats, reset, own_reset = res.state, res.rows, res.stats, *(
             res.reset_rows,) * 2  # fmt: skip
+    elif s.routed:
+        new_state, rows, stats, reset, own_reset = _routed_step(s, state, keys, t)
     else:
         new_state, rows, stats, reset, own_reset = _shard_step(s, state, keys, t)
     table, new_leaves = _reset(s, own_reset, key, t, table, tuple(leaves), fresh)
@@ -290,22 +296,27 @@ def _shard_step(s: _Static, state, keys, t):
     # keys u32[*B, 2] (every shard sees every id), M = its slots
     # -> rows i32[*B], reset i32[M] (the table's, in order), own i32[M] (the shard's first)
     """
+    new_state, rows, stats, own = _decide(s, state, keys, t)
+    rows = jax.lax.pmin(rows, s.layout.row_axes)  # one owner an id
+    reset = _reset_order(s, own, stats.admitted, own.shape[0])
+    return new_state, rows, _summed(s, stats), reset, own  # every shard saw each reserved id
+
+
+def _decide(s: _Static, state, keys, t):
+    """The shard's step on the ids it is given, deciding those of its own buckets, and the
+    sketch's halving on every shard's counts. Rows and own reset rows are the table's
+    (`capacity`: none, or another shard's id).
+
+    # keys u32[*K, 2] -> rows i32[*K], own i32[K] (the rows it assigned first)
+    """
     axes, n, cap = s.layout.row_axes, s.layout.shards, s.config.capacity
     cfg = s.config.shard(n)
-    me = jax.lax.axis_index(axes)
-    first = me * cfg.num_buckets
+    first = jax.lax.axis_index(axes) * cfg.num_buckets
     res = s.engine.step(cfg, state, keys, t, check=False,
                         shard=remap.Shard(first, s.config.num_buckets))  # fmt: skip
     offset = first * cfg.bucket_size  # the shard's first row in the table
-    rows = jax.lax.pmin(jnp.where(res.found, res.rows + offset, cap), axes)  # one owner an id
-    own = jnp.where(res.reset_rows < cfg.capacity, res.reset_rows + offset, cap)  # i32[M]
-    m = own.shape[0]
-    placed = res.stats.admitted  # the shard's reset rows, first in `own`
-    before = jnp.sum(jnp.where(jnp.arange(n) < me, jax.lax.all_gather(placed, axes), 0))
-    at = jnp.arange(m, dtype=jnp.int32)
-    at = jnp.where(at < placed, before + at, m)  # shards in order: buckets ascending
-    reset = jax.lax.pmin(jnp.full((m,), cap, jnp.int32).at[at].set(own, mode="drop"), axes)
-    stats = StepStats(*(jax.lax.psum(x, axes) for x in res.stats[:-1]), res.stats.reserved)
+    rows = jnp.where(res.found, res.rows + offset, cap)
+    own = jnp.where(res.reset_rows < cfg.capacity, res.reset_rows + offset, cap)
     new_state = res.state
     if cfg.uses_sketch:  # every shard's counts, then the halving the whole table's step does
         total = state.sketch_total + jax.lax.psum(res.state.sketch_total - state.sketch_total,
@@ -318,7 +329,60 @@ def _shard_step(s: _Static, state, keys, t):
             total,
         )
         new_state = new_state._replace(sketch=sketch, sketch_total=total)
-    return new_state, rows, stats, reset, own
+    return new_state, rows, res.stats, own
+
+
+def _summed(s: _Static, stats: StepStats) -> StepStats:
+    """The table's counts: every shard's decisions summed (`reserved` as given)."""
+    axes = s.layout.row_axes
+    return StepStats(*(jax.lax.psum(x, axes) for x in stats[:-1]), stats.reserved)
+
+
+def _reset_order(s: _Static, own: jax.Array, placed: jax.Array, m: int) -> jax.Array:
+    """The table's reset rows in the one-device order (shards in order: buckets ascending),
+    `capacity` after them, on every shard: i32[m] from the `placed` (the shard's admitted
+    ids) first rows of each shard's `own`."""
+    axes, n, cap = s.layout.row_axes, s.layout.shards, s.config.capacity
+    me = jax.lax.axis_index(axes)
+    before = jnp.sum(jnp.where(jnp.arange(n) < me, jax.lax.all_gather(placed, axes), 0))
+    at = jnp.arange(own.shape[0], dtype=jnp.int32)
+    at = jnp.where(at < placed, before + at, m)
+    return jax.lax.pmin(jnp.full((m,), cap, jnp.int32).at[at].set(own, mode="drop"), axes)
+
+
+def _routed_step(s: _Static, state, keys, t):
+    """One row shard's remap with the batch split over the row axes: each device's slots
+    sent to their owners (`jaxembed.kernels.remap_routed`), each owner deciding what it
+    received, the rows sent back; a step in which some device's slots for one owner
+    overflowed their places runs `_shard_step` on the gathered batch instead.
+
+    # keys u32[*b, 2]: this device's m slots (the batch's n·m split over the row axes)
+    # -> rows i32[*b], reset i32[n·m] (the table's, in order), own i32[n·m]
+    """
+    axes, n, cap = s.layout.row_axes, s.layout.shards, s.config.capacity
+    flat = keys.reshape(-1, 2)  # u32[m, 2]
+    m = flat.shape[0]
+    c = remap_routed.capacity(m, n)
+    routes = remap_routed.route(flat, s.config.num_buckets, n, s.config.seed, c)
+    reserved = jax.lax.psum(jnp.sum(is_reserved(flat), dtype=jnp.int32), axes)
+
+    def routed(state):
+        recv = remap_routed.send_keys(routes.send, axes).reshape(n * c, 2)  # u32[n·C, 2]
+        new_state, rows, stats, own = _decide(s, state, recv, t)  # rows i32[n·C]
+        rows = remap_routed.rows_back(routes, rows.reshape(n, c), axes, cap)  # i32[m]
+        own = jnp.pad(own, (0, n * m - n * c), constant_values=cap)  # i32[n·m]
+        reset = _reset_order(s, own, stats.admitted, n * m)
+        return new_state, rows, _summed(s, stats._replace(reserved=reserved)), reset, own
+
+    def gathered(state):
+        everyone = jax.lax.all_gather(flat, axes, tiled=True)  # u32[n·m, 2]
+        new_state, rows, stats, reset, own = _shard_step(s, state, everyone, t)
+        mine = jax.lax.dynamic_slice(rows, (jax.lax.axis_index(axes) * m,), (m,))
+        return new_state, mine, stats, reset, own
+
+    over = jax.lax.psum(routes.overflow.astype(jnp.int32), axes) > 0
+    new_state, rows, stats, reset, own = jax.lax.cond(over, gathered, routed, state)
+    return new_state, rows.reshape(keys.shape[:-1]), stats, reset, own
 
 
 def _reset_chunk(m: int) -> int:
@@ -370,14 +434,20 @@ def _run(s: _Static, state, keys, t, key, table, leaves, fresh):
     specs = state_specs(s.config, lay.row_axes)
     state = jax.tree.map(lambda a, sp: move(a, mesh, sp), state, specs)
     ids_spec = _keys_spec(keys, mesh)
-    keys = move(keys, mesh, rep)  # every device sees every id, and decides its shard's
+    if s.routed:  # each device keeps its slots and sends them to their owners
+        keys_spec = P(_spec2(lay.table_spec)[0], *([None] * (keys.ndim - 1)))
+        rows_spec = P(*tuple(keys_spec)[:-1])
+    else:  # every device sees every id, and decides its shard's
+        keys_spec = rows_spec = rep
+    keys = move(keys, mesh, keys_spec)
     fresh = tuple(move(f, mesh, rep) for f in fresh)
     stats_specs = StepStats(*([rep] * len(StepStats._fields)))
+    fresh_specs = (rep,) * len(fresh)
     step = jax.shard_map(
         lambda *a: _body(s, *a),
         mesh=mesh,
-        in_specs=(specs, rep, rep, rep, lay.table_spec, lay.leaf_specs, (rep,) * len(fresh)),
-        out_specs=(specs, rep, stats_specs, lay.table_spec, lay.leaf_specs, rep),
+        in_specs=(specs, keys_spec, rep, rep, lay.table_spec, lay.leaf_specs, fresh_specs),
+        out_specs=(specs, rows_spec, stats_specs, lay.table_spec, lay.leaf_specs, rep),
         check_vma=False,  # the native remap is a custom call, typed by no VMA rule
     )
     new_state, rows, stats, new_table, new_leaves, reset = step(
@@ -385,6 +455,18 @@ def _run(s: _Static, state, keys, t, key, table, leaves, fresh):
     )
     rows = move(rows, mesh, P(*tuple(ids_spec)[:-1])) if tuple(ids_spec) else rows
     return new_state, rows, stats, new_table, new_leaves, reset
+
+
+def _routes(keys: jax.Array, layout: _Layout) -> bool:
+    """Whether a step routes each id to its owner: the rows split over more than one shard,
+    and the keys' batch (their first axis, the others whole) split over the rows' axes."""
+    if layout.shards == 1 or keys.ndim < 2:
+        return False
+    spec = stated_spec(keys, layout.mesh)
+    if spec is None:
+        return False
+    parts = (*tuple(spec), *([None] * keys.ndim))[: keys.ndim]
+    return axes_of(parts[0]) == layout.row_axes and all(p is None for p in parts[1:])
 
 
 _run_jit = jax.jit(_run, static_argnums=0)
@@ -521,7 +603,7 @@ def _prepare(
     split = row_leaves(optimizer, opt_state, config.capacity, hidden, table.dtype)
     leaves = split.rows
     layout = _layout(config, table, leaves, mesh, weight_spec)
-    static = _Static(config, engine, initializer, hidden, layout)
+    static = _Static(config, engine, initializer, hidden, layout, _routes(keys, layout))
     args = (dyn_table.state, keys, t, key, table, leaves, split.fresh)
     if eager(dyn_table, leaves, keys, key):  # one program, not a shard_map op by op
         new_state, rows, stats, new_table, new_leaves, reset = _run_jit(static, *args)
