@@ -21,6 +21,6 @@ def test_dynamic_tables_over_two_processes_match_one_device():
         (p, policy, layout, p)
         for p in "01"
         for policy in ("lru", "lfu", "ttl")
-        for layout in ("rows-over-model", "rows-over-data-model")
+        for layout in ("rows-over-model", "rows-over-data-model", "rows-over-data-model-routed")
     }
     assert found == want, (time.monotonic() - start, text[-3000:])

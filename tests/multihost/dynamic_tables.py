@@ -3,7 +3,8 @@
 A dynamic table trained over two processes: six jitted steps of a sum-pooled bag over raw
 64-bit ids (remap with admission and eviction, row resets, `adagrad` update, a dense head) on
 a (data=2, model=4) mesh whose `data` axis spans the processes, the table split by rows and
-the keys by batch, for each eviction policy and two row layouts. Each process runs the same
+the keys by batch, for each eviction policy and three layouts (the last with the batch split
+over the rows' axes: each id routed to its owner across the processes). Each process runs the same
 steps on one of its own devices as the reference and checks every shard it holds: the
 identity and metadata arrays and the steps' counts bitwise, the table, optimizer state and
 head to float32 rounding (the eight devices' pooled sums add the same rows in another order).
@@ -27,7 +28,11 @@ import jaxembed  # noqa: E402
 from jaxembed.dynamic import DynamicTableConfig, as_keys  # noqa: E402
 from jaxembed.optim import dynamic  # noqa: E402
 
-LAYOUTS = {"rows-over-model": P("model", None), "rows-over-data-model": P(("data", "model"), None)}
+LAYOUTS = {  # the table's layout, the batch's (over the rows' axes: each id routed to its owner)
+    "rows-over-model": (P("model", None), P("data")),
+    "rows-over-data-model": (P(("data", "model"), None), P("data")),
+    "rows-over-data-model-routed": (P(("data", "model"), None), P(("data", "model"))),
+}
 POLICIES = ("lru", "lfu", "ttl")
 HIDDEN, BATCH, WIDTH, STEPS = 8, 16, 4, 6
 
@@ -84,7 +89,7 @@ def check_shards(array, want, what, exact):
                                        err_msg=what)  # fmt: skip
 
 
-def run(policy, spec, mesh):
+def run(policy, spec, mesh, batch_spec=None):
     """Six steps on `mesh` (or on this process's first device, mesh None): the final
     (table, state, optimizer state, head) and each step's counts."""
     ttl = {"ttl_steps": 2} if policy == "ttl" else {}
@@ -100,7 +105,7 @@ def run(policy, spec, mesh):
                 dyn, opt_state, head, _, stats = step(dyn, opt_state, head, keys, labels, t)
                 counts.append([int(host(s)) for s in stats])
         return dyn, opt_state, head, counts
-    batch = NamedSharding(mesh, P("data"))
+    batch = NamedSharding(mesh, batch_spec)
     with jax.set_mesh(mesh):
         step = make_step(cfg, opt, spec)
         dyn = dynamic.init_table(cfg, HIDDEN, weight_spec=spec)
@@ -121,8 +126,8 @@ def main() -> int:
     )
     for policy in POLICIES:
         want_dyn, want_opt, want_head, want_counts = run(policy, None, None)
-        for name, spec in LAYOUTS.items():
-            dyn, opt_state, head, counts = run(policy, spec, mesh)
+        for name, (spec, batch_spec) in LAYOUTS.items():
+            dyn, opt_state, head, counts = run(policy, spec, mesh, batch_spec)
             what = f"{policy} {name}"
             assert counts == want_counts, (what, counts, want_counts)
             assert sum(c[1] for c in counts) > 0, (what, counts)  # some ids were admitted
