@@ -47,11 +47,13 @@ OPT = jaxembed.optim.adagrad(LR)
 
 
 def tables(placement, cfg):
+    """The item table beside the user table: by rows, or as the user table is placed when
+    that is "replicated" or "table" (then the two share a table-wise stack)."""
+    item = placement if placement in ("replicated", "table") else "rows"
     return [
-        TableConfig("item", ITEMS, H, placement="rows" if placement != "replicated" else
-                    "replicated"),
+        TableConfig("item", ITEMS, H, placement=item),
         TableConfig("user", cfg.capacity, H, placement=placement, dynamic=cfg, initializer=INIT),
-    ]  # fmt: skip
+    ]
 
 
 def stream(seed=1):
@@ -126,10 +128,12 @@ class Twin:
         return refs, outs, loss
 
 
-def check_user_rows(twin, table, state, where):
+def check_user_rows(twin, table, state, where, rows_at=None):
     """Every live user row and its accumulator equal the twin's (the user stack's rows are
-    the remap's rows)."""
+    the remap's rows; in a table-wise stack, from `rows_at` on)."""
     table, acc = np.asarray(table), np.asarray(state.slots["accumulator"])
+    if rows_at is not None:
+        table, acc = table[rows_at:], acc[rows_at:]
     live = ~K.is_reserved(np.asarray(twin.state.keys))
     for r in np.flatnonzero(live):
         i = int(K.to_uint64(np.asarray(twin.state.keys)[r]))
@@ -158,24 +162,35 @@ def make_step(layout, mesh):
     return jax.jit(step)
 
 
-@pytest.mark.parametrize("placement,devices", [("rows", 1), ("rows", 8), ("replicated", 8)])
+def initial_stacks(layout, cfg):
+    """Each stack: the item table's initial rows, the user table's zeros."""
+    return {s.index: build_stack(layout, s, {"item": ITEM_INIT,
+                                             "user": np.zeros((cfg.capacity, H), np.float32)})
+            for s in layout.stacks}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "placement,devices", [("rows", 1), ("rows", 8), ("replicated", 8), ("table", 8)]
+)
 def test_a_dynamic_table_in_a_collection_trains_like_the_references(placement, devices):
     cfg = config("lfu")
     mesh = jax.make_mesh((8,), ("model",)) if devices == 8 else None
     layout = layout_collection(tables(placement, cfg), FEATURES, mesh)
-    user = layout.stack_of("user")
-    assert user.tables == ("user",) and user.shape == (cfg.capacity, H)
-    stacks = {}
+    user, rows_at = layout.stack_of("user"), DC.table_rows_at(layout, "user")
+    if placement == "table":  # whole on one device, in the table-wise stack beside item
+        assert set(user.tables) == {"user", "item"} and rows_at is not None
+        assert layout.placement("user").placement == "table" and user.num_shards == 8
+    else:
+        assert user.tables == ("user",) and user.shape == (cfg.capacity, H) and rows_at is None
+    stacks = initial_stacks(layout, cfg)
     for s in layout.stacks:
-        if s.tables == ("item",):
-            stacks[s.index] = build_stack(layout, s, {"item": ITEM_INIT})
-        else:
-            stacks[s.index] = jnp.zeros(s.shape, jnp.float32)
         if mesh is not None:
             stacks[s.index] = jax.device_put(stacks[s.index], NamedSharding(mesh, s.spec))
     states = {s.index: OPT.init(stacks[s.index], mesh=mesh, weight_spec=s.spec)
               for s in layout.stacks}  # fmt: skip
     remaps = DC.init_states(layout, mesh=mesh)
+    if placement == "table" and mesh is not None:  # the remap state whole on every device
+        assert all(a.sharding.is_fully_replicated for a in jax.tree.leaves(remaps["user"]))
     head = {"w": jnp.linspace(-1, 1, 3 * H), "b": jnp.float32(0.25)}
     twin = Twin(cfg, [t.name for t in layout.tables].index("user"))
     step, totals = make_step(layout, mesh), np.zeros(6, int)
@@ -197,7 +212,7 @@ def test_a_dynamic_table_in_a_collection_trains_like_the_references(placement, d
             np.testing.assert_allclose(outs[f.name], want_outs[f.name], rtol=1e-5, atol=1e-6,
                                        err_msg=f"{where}: {f.name}")  # fmt: skip
         np.testing.assert_allclose(loss, want_loss, rtol=1e-5, err_msg=where)
-        check_user_rows(twin, stacks[user.index], states[user.index], where)
+        check_user_rows(twin, stacks[user.index], states[user.index], where, rows_at)
         item_stack = layout.stack_of("item").index
         items = unstack(layout, {item_stack: stacks[item_stack]})["item"]
         np.testing.assert_allclose(items, twin.items, rtol=2e-5, atol=1e-6, err_msg=where)
@@ -208,7 +223,7 @@ def test_a_dynamic_table_in_a_collection_trains_like_the_references(placement, d
     assert hits > 0 and admitted > 0 and evicted > 0 and pending > 0, totals
 
 
-def test_the_planner_counts_the_remap_state_and_places_rows_or_replicated():
+def test_the_planner_counts_the_remap_state_and_places_rows_table_or_replicated():
     cfg = DynamicTableConfig(capacity=1 << 16, bucket_size=16, admit_after=2)
     mesh = jax.make_mesh((8,), ("model",))
     tabs = [TableConfig("user", cfg.capacity, 32, dynamic=cfg),
@@ -216,7 +231,7 @@ def test_the_planner_counts_the_remap_state_and_places_rows_or_replicated():
     feats = [FeatureConfig("u", "user", max_ids=1), FeatureConfig("v", "user_static", max_ids=1)]
     plan = jaxembed.plan_collection(tabs, feats, mesh, batch_size=512,
                                     memory_per_device="1GiB", backend="cpu")  # fmt: skip
-    assert plan.placements["user"] in ("rows", "replicated")
+    assert plan.placements["user"] in ("rows", "table", "replicated")
     by = {t.name: t for t in plan.tables}
     if plan.placements["user"] == plan.placements["user_static"]:  # the same rows, + state
         n = 8 if plan.placements["user"] == "rows" else 1  # the state splits with the rows
@@ -233,6 +248,15 @@ def test_the_planner_counts_the_remap_state_and_places_rows_or_replicated():
     shard = cfg.shard(8)  # an eighth of the keys, last_seen, counts and sketch; the total whole
     assert shard.state_bytes == (cfg.state_bytes - 4) // 8 + 4
     assert by["user"].memory_bytes - by["user_static"].memory_bytes == shard.state_bytes
+    # both "table": the dynamic one's device holds its rows, and every device the whole state
+    for t in fixed:
+        object.__setattr__(t, "placement", "table")
+    whole = jaxembed.plan_collection(fixed, feats, mesh, batch_size=512,
+                                     memory_per_device="1GiB", backend="cpu")  # fmt: skip
+    by = {t.name: t for t in whole.tables}
+    assert whole.placements == {"user": "table", "user_static": "table"}
+    assert by["user"].memory_bytes - by["user_static"].memory_bytes == cfg.state_bytes
+    assert f"+ {format_bytes(cfg.state_bytes)} remap state a device" in by["user"].reason
     # no layout with too little memory for the remap state's shard
     with pytest.raises(ValueError, match="memory_per_device"):
         jaxembed.plan_collection(tabs[:1], feats[:1], mesh, batch_size=512,
@@ -243,8 +267,8 @@ def test_bad_dynamic_configs_name_the_value_and_the_fix():
     cfg = DynamicTableConfig(capacity=16, bucket_size=2)
     with pytest.raises(ValueError, match="vocab_size=16"):
         TableConfig("user", 20, H, dynamic=cfg)
-    with pytest.raises(ValueError, match="placement='table'"):
-        TableConfig("user", 16, H, placement="table", dynamic=cfg)
+    with pytest.raises(ValueError, match="placement='columns'"):
+        TableConfig("user", 16, H, placement="columns", dynamic=cfg)
     with pytest.raises(ValueError, match="row_sharding='block'"):
         TableConfig("user", 16, H, placement="rows", row_sharding="mod", dynamic=cfg)
     with pytest.raises(TypeError, match="DynamicTableConfig"):
@@ -256,7 +280,7 @@ def test_bad_dynamic_configs_name_the_value_and_the_fix():
             [FeatureConfig("u", "user")],
             jax.make_mesh((8,), ("model",)),
         )
-    with pytest.raises(ValueError, match="'rows' or 'replicated'"):
+    with pytest.raises(ValueError, match="'rows', 'table' or 'replicated'"):
         layout_collection(
             [TableConfig("user", 16, H, dynamic=cfg)],
             [FeatureConfig("u", "user")],
@@ -270,7 +294,7 @@ def test_bad_dynamic_configs_name_the_value_and_the_fix():
         DC.prepare(layout, stacks, None, {}, {"u": np.array([1, 2], np.int64)}, 0,
                    key=KEY, optimizer=None)  # fmt: skip
     ragged = jaxembed.Ragged.from_lists([[1], [2, 3]])
-    with pytest.raises(TypeError, match="Ragged"):
+    with pytest.raises(TypeError, match="RaggedKeys"):
         DC.prepare(layout, stacks, None, DC.init_states(layout), {"u": ragged}, 0, key=KEY,
                    optimizer=None)  # fmt: skip
 
@@ -290,7 +314,7 @@ def test_jaxembed_plan_reads_dynamic_tables(tmp_path, capsys):
     assert cli.main(argv) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("user"))
     assert "65536 x 32" in line and "dynamic (lfu, admit after 2)" in line, line
-    assert line.split()[4] in ("rows", "replicated"), line
+    assert line.split()[4] in ("rows", "table", "replicated"), line
     spec["tables"][1]["dynamic"]["policy"] = "fifo"
     path.write_text(__import__("json").dumps(spec))
     assert cli.main(argv) == 2
@@ -309,21 +333,22 @@ class LinenNet(linen.Module):
         return coll.concat(coll(batch)) @ w + b
 
 
-@pytest.mark.parametrize("devices", [1, 8])
-def test_the_linen_collection_trains_a_dynamic_table_like_the_references(devices):
+@pytest.mark.parametrize("placement,devices", [("rows", 1), ("rows", 8), ("table", 8)])
+def test_the_linen_collection_trains_a_dynamic_table_like_the_references(placement, devices):
     cfg = config("lfu")
     mesh = jax.make_mesh((8,), ("model",)) if devices == 8 else None
-    model = LinenNet(tuple(tables("rows", cfg)))
+    model = LinenNet(tuple(tables(placement, cfg)))
     batches = [({n: K.as_keys(v, check=False) if n != "item" else jnp.asarray(v)
                  for n, v in raw.items()}, raw, y) for raw, y in stream()]  # fmt: skip
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         variables = model.init(jax.random.key(0), batches[0][0])
         params, dyn = variables["params"], dict(variables["dynamic"]["coll"])
-        layout = jaxembed.flax.EmbeddingBagCollection(tuple(tables("rows", cfg)), FEATURES,
+        layout = jaxembed.flax.EmbeddingBagCollection(tuple(tables(placement, cfg)), FEATURES,
                                                       mesh=mesh).layout  # fmt: skip
         user, item = layout.stack_of("user"), layout.stack_of("item")
+        rows_at = DC.table_rows_at(layout, "user")
         box = params["coll"][item.name]
-        item_stack = build_stack(layout, item, {"item": ITEM_INIT})
+        item_stack = initial_stacks(layout, cfg)[item.index]
         if mesh is not None:
             item_stack = jax.device_put(item_stack, NamedSharding(mesh, item.spec))
         params = {
@@ -336,7 +361,8 @@ def test_the_linen_collection_trains_a_dynamic_table_like_the_references(devices
             },
         }
         dyn["reset_key"] = jax.device_put(jax.random.key_data(KEY), dyn["reset_key"].sharding)
-        assert int(dyn["step"]) == 0 and (np.asarray(unbox(params["coll"][user.name])) == 0).all()
+        users = np.asarray(unbox(params["coll"][user.name]))[rows_at or 0 :][: cfg.capacity]
+        assert int(dyn["step"]) == 0 and (users == 0).all()  # rows start at admission
 
         def loss_fn(params, dyn, batch, y):
             out, upd = model.apply({"params": params, "dynamic": {"coll": dyn}}, batch,
@@ -363,7 +389,7 @@ def test_the_linen_collection_trains_a_dynamic_table_like_the_references(devices
             params, dyn, opt_state, sparse, loss = step(params, dyn, opt_state, sparse, batch,
                                                         jnp.asarray(y))  # fmt: skip
             refs, _, want_loss = twin.step(raw, y, t)
-            where = f"linen {devices} step {t}"
+            where = f"linen {placement}/{devices} step {t}"
             for name in DynamicState._fields:
                 np.testing.assert_array_equal(
                     getattr(dyn["remap_user"], name), getattr(twin.state, name), err_msg=where
@@ -372,7 +398,7 @@ def test_the_linen_collection_trains_a_dynamic_table_like_the_references(devices
             np.testing.assert_array_equal([int(x) for x in dyn["stats_user"]], want_stats, where)
             np.testing.assert_allclose(loss, want_loss, rtol=1e-5, err_msg=where)
             check_user_rows(twin, unbox(params["coll"][user.name]), sparse["coll"][user.index],
-                            where)  # fmt: skip
+                            where, rows_at)  # fmt: skip
             items = unstack(layout, {item.index: unbox(params["coll"][item.name])})["item"]
             np.testing.assert_allclose(items, twin.items, rtol=2e-5, atol=1e-6, err_msg=where)
         # a training call without the mutable collection is refused, naming it
@@ -410,7 +436,7 @@ def nnx_step(net, dense, sparse, batch, y):
     return loss
 
 
-@pytest.mark.parametrize("placement,devices", [("rows", 1), ("rows", 8)])
+@pytest.mark.parametrize("placement,devices", [("rows", 1), ("rows", 8), ("table", 8)])
 def test_the_nnx_collection_trains_a_dynamic_table_like_the_references(placement, devices):
     cfg = config("lfu")
     mesh = jax.make_mesh((8,), ("model",)) if devices == 8 else None
@@ -437,7 +463,7 @@ def test_the_nnx_collection_trains_a_dynamic_table_like_the_references(placement
         np.testing.assert_array_equal(got_stats, want_stats, where)
         np.testing.assert_allclose(loss, want_loss, rtol=1e-5, err_msg=where)
         check_user_rows(twin, net.coll.stacks[user.name][...], sparse.states["coll"][user.index],
-                        where)  # fmt: skip
+                        where, DC.table_rows_at(layout, "user"))  # fmt: skip
         np.testing.assert_allclose(net.coll.tables()["item"], twin.items, rtol=2e-5, atol=1e-6,
                                    err_msg=where)  # fmt: skip
         if mesh is not None:

@@ -26,9 +26,19 @@ import numpy as np
 from jaxembed.dynamic.config import DynamicTableConfig
 from jaxembed.ragged import COMBINERS
 
-__all__ = ["DTYPES", "PLACEMENTS", "FeatureConfig", "TableConfig", "check_configs"]
+__all__ = [
+    "DTYPES",
+    "DYNAMIC_PLACEMENTS",
+    "PLACEMENTS",
+    "FeatureConfig",
+    "TableConfig",
+    "check_configs",
+]
 
 PLACEMENTS = ("replicated", "table", "rows", "columns", "table_rows", "auto")
+DYNAMIC_PLACEMENTS = ("rows", "table", "replicated", "auto")
+"""A dynamic table's placements: its rows reset where they live, whole rows (block rows, one
+device's, or every device's), and its remap state split with them (`"rows"`) or whole."""
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # a table's rows are trained: floats
 
 
@@ -147,11 +157,11 @@ class TableConfig:
                 f"vocab_size={self.vocab_size} and dynamic.capacity={d.capacity}: pass "
                 f"vocab_size={d.capacity}"
             )
-        if self.placement not in ("rows", "replicated", "auto"):
+        if self.placement not in DYNAMIC_PLACEMENTS:
             raise ValueError(
-                f"table {self.name!r}: a dynamic table is placed 'rows', 'replicated' or "
-                f"'auto', got placement={self.placement!r} (its reset rows are written where "
-                "the rows live, in block rows)"
+                f"table {self.name!r}: a dynamic table is placed 'rows', 'table', 'replicated' "
+                f"or 'auto', got placement={self.placement!r} (its reset rows are written where "
+                "the rows live: in block rows, or whole on one device or on every device)"
             )
         if self.row_sharding != "block":
             raise ValueError(

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxembed.collection.config import FeatureConfig, TableConfig, check_configs
+from jaxembed.collection.config import DYNAMIC_PLACEMENTS, FeatureConfig, TableConfig, check_configs
 
 __all__ = ["CollectionLayout", "Stack", "TablePlacement", "layout_collection", "stacked_width"]
 
@@ -262,10 +262,11 @@ def layout_collection(
     resolved: dict[str, tuple[str, tuple, tuple, int]] = {}
     for t in tables:
         placement = t.placement if t.placement != "auto" else placements.get(t.name, "rows")
-        if t.dynamic is not None and placement not in ("rows", "replicated"):
+        if t.dynamic is not None and placement not in DYNAMIC_PLACEMENTS:
             raise ValueError(
-                f"table {t.name!r}: a dynamic table is placed 'rows' or 'replicated', got "
-                f"{placement!r} (from the placements given): place it 'rows' or 'replicated'"
+                f"table {t.name!r}: a dynamic table is placed 'rows', 'table' or 'replicated', "
+                f"got {placement!r} (from the placements given): place it 'rows', 'table' or "
+                "'replicated'"
             )
         if not names:
             placement = "replicated"
@@ -274,15 +275,17 @@ def layout_collection(
             placement, r, k, within = "replicated", (), (), 1  # a one-device mesh
         resolved[t.name] = (placement, r, k, within)
 
-    # Group into stacks: same dim, dtype, R and K; a dynamic table alone (its stack's rows
-    # are its rows: the remap's row r is the stack's row r).
+    # Group into stacks: same dim, dtype, R and K; a dynamic table by rows or replicated alone
+    # (its stack's rows are its rows: the remap's row r is the stack's row r), one placed
+    # "table" with the other table-wise tables (its rows at `offset` of its shard).
     groups: dict[tuple, list[str]] = {}
     for t in tables:
         placement, r, k, _ = resolved[t.name]
-        key = (t.dim, np.dtype(t.dtype).name, r, k, t.name if t.dynamic is not None else None)
+        alone = t.dynamic is not None and placement != "table"
+        key = (t.dim, np.dtype(t.dtype).name, r, k, t.name if alone else None)
         groups.setdefault(key, []).append(t.name)
         n = math.prod(sizes[a] for a in r)
-        if t.dynamic is not None and t.dynamic.num_buckets % n:
+        if alone and t.dynamic.num_buckets % n:
             step = n * t.dynamic.bucket_size  # each shard owns whole buckets
             raise ValueError(
                 f"table {t.name!r}: a dynamic table's capacity {t.vocab_size} does not divide "

@@ -193,7 +193,7 @@ class EmbeddingBagCollection(nnx.Module):
             self.layout, self._stacks(), remaps, batch, t, key=key, mesh=self.mesh,
             check_ids=False,
         )  # fmt: skip
-        for s in resets:
+        for s in {self.layout.stack_of(name).index for name in resets}:
             self.stacks[self.layout.stacks[s].name][...] = stacks[s]
         for name, state in remaps.items():
             self.remaps[name].set_value(state)
@@ -370,11 +370,11 @@ class EmbeddingBagCollection(nnx.Module):
         batch: Mapping[str, Any],
         out_grads: Mapping[str, jax.Array],
         *,
-        resets: Mapping[int, jax.Array] | None = None,
+        resets: Mapping[str, jax.Array] | None = None,
     ) -> dict[int, Any]:
         """Updates the tables in place from the outputs' gradients; returns the new states.
 
-        With `resets` (a training call's reset rows of its dynamic stacks, by stack index),
+        With `resets` (a training call's reset rows of its dynamic tables, by table name),
         those rows' optimizer state is reset first.
 
         Args:

@@ -158,8 +158,9 @@ def _check_split(config: DynamicTableConfig, hidden: int, mesh: Any, spec: P) ->
             )
 
 
-def check_dynamic_table(config: DynamicTableConfig, dyn: Any) -> None:
-    """Raises unless `dyn` is a `DynamicTable` whose state and table fit `config`."""
+def check_dynamic_table(config: DynamicTableConfig, dyn: Any, rows_at: int | None = None) -> None:
+    """Raises unless `dyn` is a `DynamicTable` whose state and table fit `config` (with
+    `rows_at`: its table holds `capacity` rows from row `rows_at` on)."""
     if not isinstance(dyn, DynamicTable):
         raise TypeError(
             f"dyn_table must be a DynamicTable (table, state), got {type(dyn).__name__}: "
@@ -168,13 +169,31 @@ def check_dynamic_table(config: DynamicTableConfig, dyn: Any) -> None:
         )
     remap.check_state(config, dyn.state)
     check_table(dyn.table)
-    if dyn.table.shape[0] != config.capacity:
+    if rows_at is not None:
+        _check_rows_at(config, dyn.table, rows_at)
+    elif dyn.table.shape[0] != config.capacity:
         h = dyn.table.shape[1]
         raise ValueError(
             f"dyn_table.table has {dyn.table.shape[0]} rows, but config.capacity="
             f"{config.capacity}: a dynamic table has one row per slot; pass the config the table "
             f"was made with, or make it with init_table(config, {h})"
         )
+
+
+def _check_rows_at(config: DynamicTableConfig, table: Any, rows_at: Any) -> int:
+    """`rows_at` as an int, or raises unless the table holds `capacity` rows from it on."""
+    if isinstance(rows_at, bool) or not isinstance(rows_at, int | np.integer) or rows_at < 0:
+        raise ValueError(
+            f"rows_at={rows_at!r} must be a non-negative int: the table's first row in the "
+            "stack that holds it (None: the table is its own)"
+        )
+    if int(rows_at) + config.capacity > table.shape[0]:
+        raise ValueError(
+            f"rows_at={rows_at} + capacity={config.capacity} is past the {table.shape[0]} "
+            f"rows of the table given: a table placed at rows_at needs rows [rows_at, "
+            f"rows_at + capacity) of it"
+        )
+    return int(rows_at)
 
 
 def _check_impl(impl: Any) -> Any:
@@ -201,6 +220,7 @@ class _Layout(NamedTuple):
     leaf_specs: tuple[P | None, ...]
     row_axes: tuple[str, ...] = ()
     shards: int = 1
+    base: int | None = None  # `rows_at`: the table's rows are [base, base + capacity) of it
 
 
 def state_specs(config: DynamicTableConfig, row_axes: Any) -> DynamicState:
@@ -223,10 +243,10 @@ def state_specs(config: DynamicTableConfig, row_axes: Any) -> DynamicState:
                         sketch_total=P())  # fmt: skip
 
 
-def _layout(config, table, leaves, mesh, weight_spec) -> _Layout:
+def _layout(config, table, leaves, mesh, weight_spec, rows_at=None) -> _Layout:
     mesh = resolve_mesh(mesh, table)
     if mesh is None or mesh.size == 1:
-        return _Layout(None, None, (None,) * len(leaves))
+        return _Layout(None, None, (None,) * len(leaves), base=rows_at)
     spec = weight_spec if weight_spec is not None else stated_spec(table, mesh)
     if spec is None:
         raise ValueError(
@@ -235,11 +255,14 @@ def _layout(config, table, leaves, mesh, weight_spec) -> _Layout:
             "(e.g. P('model', None) for rows split over 'model'), or use an Explicit mesh"
         )
     spec = _spec2(spec)
-    _check_split(config, table.shape[1], mesh, spec)
+    if rows_at is None:  # else the rows are a stack's, which its collection split
+        _check_split(config, table.shape[1], mesh, spec)
     specs = []
     for leaf in leaves:  # a leaf's own layout, else the one opt.init gives it
         own = stated_spec(leaf, mesh)
         specs.append(own if own is not None else P(spec[0], *tuple(spec)[1 : leaf.ndim]))
+    if rows_at is not None:  # the table whole on one shard of a stack: the state whole too
+        return _Layout(mesh, spec, tuple(specs), base=rows_at)
     axes = axes_of(spec[0])
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     return _Layout(mesh, spec, tuple(specs), axes, math.prod(sizes[a] for a in axes))
@@ -406,17 +429,27 @@ def _reset(s: _Static, reset: jax.Array, key, t, table, leaves, fresh):
 
     def one_pass(i, carry):
         table, leaves = carry
-        rows = jax.lax.dynamic_slice(padded, (i * k,), (k,))  # i32[k]
+        rows = jax.lax.dynamic_slice(padded, (i * k,), (k,))  # i32[k], the table's rows
+        at = _stored(s, rows)  # i32[k], where they are stored
         if table is not None:
             values = initial_rows(s.initializer, key, t, rows, s.hidden, table.dtype)  # f[k, H]
-            table = reset_rows(table, s.layout.table_spec, rows, values)
+            table = reset_rows(table, s.layout.table_spec, at, values)
         leaves = tuple(
-            reset_rows(leaf, spec, rows, jnp.broadcast_to(f, (k, *f.shape[1:])))
+            reset_rows(leaf, spec, at, jnp.broadcast_to(f, (k, *f.shape[1:])))
             for leaf, spec, f in zip(leaves, s.layout.leaf_specs, fresh, strict=True)
         )
         return table, leaves
 
     return jax.lax.fori_loop(0, (count + k - 1) // k, one_pass, (table, leaves))
+
+
+def _stored(s: _Static, rows: jax.Array) -> jax.Array:
+    """The table's rows (`capacity`: none) where they are stored: the same, or, in a stack
+    (`rows_at`), shifted to its rows there, none past every row (the reset drops them)."""
+    if s.layout.base is None:
+        return rows
+    none = jnp.iinfo(jnp.int32).max
+    return jnp.where(rows < s.config.capacity, rows + s.layout.base, none)
 
 
 def _run(s: _Static, state, keys, t, key, table, leaves, fresh):
@@ -526,6 +559,7 @@ def prepare(
     mesh: Any = None,
     weight_spec: P | None = None,
     check_ids: bool = True,
+    rows_at: int | None = None,
 ) -> tuple[jax.Array, DynamicTable, Any, StepStats]:
     """One training step's remap: raw ids to rows, with the rows it (re)assigns reset.
 
@@ -553,6 +587,11 @@ def prepare(
       weight_spec: the table's layout where it cannot be read (traced in an Auto mesh).
       check_ids: raise for concrete ids equal to `EMPTY_ID` (True), or take them as padding
         (False), as traced ids always are.
+      rows_at: None, or the table's first row in `dyn_table.table` when that is a stack of
+        several tables (a collection's table-wise stack): the table's rows are rows
+        `[rows_at, rows_at + capacity)` of it, reset where they are stored, and the remap
+        state is whole on every device (not split with the stack's rows). The rows returned
+        are the table's own, `[0, capacity)`.
 
     Returns:
       `(rows, dyn_table, opt_state, stats)`: rows int32 `[*B]` (each id's row; `capacity`,
@@ -584,25 +623,27 @@ def prepare(
     return _prepare(
         config, dyn_table, opt_state, ids, step_index, initializer=initializer, key=key,
         optimizer=optimizer, impl=impl, mesh=mesh, weight_spec=weight_spec, check_ids=check_ids,
+        rows_at=rows_at,
     )[:4]  # fmt: skip
 
 
 def _prepare(
     config, dyn_table, opt_state, ids, step_index, *, initializer, key, optimizer, impl, mesh,
-    weight_spec, check_ids,
+    weight_spec, check_ids, rows_at,
 ):  # fmt: skip
     """`prepare`, also returning the step's reset rows (`remap_table`)."""
     engine = _check_impl(impl)
-    check_dynamic_table(config, dyn_table)
+    check_dynamic_table(config, dyn_table, rows_at)
+    rows_at = None if rows_at is None else int(rows_at)
     table = dyn_table.table
     hidden = table.shape[1]
     keys = as_keys(ids, check=check_ids)
     t = remap.check_step_index(step_index)
     check_key(key)
     check_initializer(initializer, key, hidden, table.dtype)
-    split = row_leaves(optimizer, opt_state, config.capacity, hidden, table.dtype)
+    split = row_leaves(optimizer, opt_state, table.shape[0], hidden, table.dtype)
     leaves = split.rows
-    layout = _layout(config, table, leaves, mesh, weight_spec)
+    layout = _layout(config, table, leaves, mesh, weight_spec, rows_at)
     static = _Static(config, engine, initializer, hidden, layout, _routes(keys, layout))
     args = (dyn_table.state, keys, t, key, table, leaves, split.fresh)
     if eager(dyn_table, leaves, keys, key):  # one program, not a shard_map op by op
@@ -628,6 +669,7 @@ def remap_table(
     mesh: Any = None,
     weight_spec: P | None = None,
     check_ids: bool = True,
+    rows_at: int | None = None,
 ) -> tuple[jax.Array, DynamicTable, jax.Array, StepStats]:
     """`prepare` without the optimizer state: the rows it resets come back to reset it later.
 
@@ -637,7 +679,7 @@ def remap_table(
 
     Args:
       config, dyn_table, ids, step_index, initializer, key, impl, mesh, weight_spec,
-        check_ids: as `prepare`'s.
+        check_ids, rows_at: as `prepare`'s.
 
     Returns:
       `(rows, dyn_table, reset_rows, stats)`: as `prepare`'s, with `reset_rows` int32 `[M]`
@@ -660,6 +702,7 @@ def remap_table(
     rows, dyn_table, _, stats, reset = _prepare(
         config, dyn_table, None, ids, step_index, initializer=initializer, key=key,
         optimizer=None, impl=impl, mesh=mesh, weight_spec=weight_spec, check_ids=check_ids,
+        rows_at=rows_at,
     )  # fmt: skip
     return rows, dyn_table, reset, stats
 
@@ -680,8 +723,10 @@ def _check_reset_rows(reset_rows: Any) -> jax.Array:
 
 
 def _reset_after(config, table, optimizer, opt_state, reset_rows, step_index, key, initializer,
-                 mesh, weight_spec, with_table):  # fmt: skip
+                 mesh, weight_spec, with_table, rows_at):  # fmt: skip
     check_table(table)
+    if rows_at is not None:
+        rows_at = _check_rows_at(config, table, rows_at)
     hidden = table.shape[1]
     reset_rows = _check_reset_rows(reset_rows)
     t = None
@@ -689,10 +734,10 @@ def _reset_after(config, table, optimizer, opt_state, reset_rows, step_index, ke
         t = remap.check_step_index(step_index)
         check_key(key)
         check_initializer(initializer, key, hidden, table.dtype)
-    split = row_leaves(optimizer, opt_state, config.capacity, hidden, table.dtype)
+    split = row_leaves(optimizer, opt_state, table.shape[0], hidden, table.dtype)
     if not split.rows and not with_table:
         return table, opt_state
-    layout = _layout(config, table, split.rows, mesh, weight_spec)
+    layout = _layout(config, table, split.rows, mesh, weight_spec, rows_at)
     static = _Static(config, None, initializer if with_table else None, hidden, layout)
     args = (reset_rows, key, t, table if with_table else None, split.rows, split.fresh)
     if eager(table, split.rows, reset_rows):
@@ -713,6 +758,7 @@ def reset_optimizer_rows(
     *,
     mesh: Any = None,
     weight_spec: P | None = None,
+    rows_at: int | None = None,
 ) -> Any:
     """The optimizer state with the rows of `reset_rows` back at `optimizer.init`'s values.
 
@@ -723,7 +769,7 @@ def reset_optimizer_rows(
       opt_state: `optimizer.init(table)`, laid out like the table.
       reset_rows: int32 `[M]` as `remap_table` returns it: the reset rows first, then
         `capacity` (padding, dropped).
-      mesh, weight_spec: as `prepare`'s.
+      mesh, weight_spec, rows_at: as `prepare`'s.
 
     Returns:
       The state, every row not in `reset_rows` bitwise as it was (and `count` too).
@@ -737,7 +783,7 @@ def reset_optimizer_rows(
             "reset_optimizer_rows: optimizer must be the RowSparseOptimizer of opt_state"
         )
     return _reset_after(config, table, optimizer, opt_state, reset_rows, None, None, None,
-                        mesh, weight_spec, with_table=False)[1]  # fmt: skip
+                        mesh, weight_spec, with_table=False, rows_at=rows_at)[1]  # fmt: skip
 
 
 def reset_table_rows(
@@ -752,6 +798,7 @@ def reset_table_rows(
     key: Any,
     mesh: Any = None,
     weight_spec: P | None = None,
+    rows_at: int | None = None,
 ) -> tuple[jax.Array, Any]:
     """The table's and the optimizer state's rows of `reset_rows` set afresh, as the step
     `step_index` of `remap_table` (or `prepare`) set them: the same bits.
@@ -761,7 +808,7 @@ def reset_table_rows(
     with the step's reset rows, key and step before the row-sparse update.
 
     Args:
-      config, table, optimizer, opt_state, reset_rows, mesh, weight_spec: as
+      config, table, optimizer, opt_state, reset_rows, mesh, weight_spec, rows_at: as
         `reset_optimizer_rows`'s (`optimizer` and `opt_state` may be None).
       step_index, initializer, key: the step's, as given to `remap_table`.
 
@@ -769,7 +816,8 @@ def reset_table_rows(
       `(table, opt_state)`.
     """
     return _reset_after(config, table, optimizer, opt_state, reset_rows, step_index, key,
-                        initializer, mesh, weight_spec, with_table=True)  # fmt: skip
+                        initializer, mesh, weight_spec, with_table=True,
+                        rows_at=rows_at)  # fmt: skip
 
 
 # --- construction and serving ----------------------------------------------------------------

@@ -1,8 +1,10 @@
 """Dynamic tables in a collection: one step's remap of every dynamic table's features.
 
-A table whose `TableConfig.dynamic` is set is a dynamic table (`jaxembed.optim.dynamic`) in a
-stack of its own (`layout_collection`): the stack's row r is the remap's row r, placed
-`"rows"` (block rows over the stack's axes) or `"replicated"`. Its features take raw 64-bit
+A table whose `TableConfig.dynamic` is set is a dynamic table (`jaxembed.optim.dynamic`),
+placed `"rows"` (block rows over the stack's axes, the remap state split with them) or
+`"replicated"` in a stack of its own (the stack's row r is the remap's row r), or `"table"`:
+whole on one device, in the stack of the other table-wise tables (its rows from `rows_at`,
+`table_rows_at`), its remap state whole on every device. Its features take raw 64-bit
 ids (`jaxembed.dynamic.as_keys` forms: keys `uint32[B, L, 2]` or `[B, 2]` under `jit`, with
 `(keys, weights)` for weighted features, or bags of varying length as a
 `jaxembed.dynamic.RaggedKeys`). `prepare` remaps them into ordinary row ids, resets the rows it
@@ -35,6 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxembed.collection.layout import CollectionLayout
 from jaxembed.dynamic.config import DynamicState, StepStats
@@ -58,6 +61,7 @@ __all__ = [
     "read_rows",
     "remap_collection",
     "reset_states",
+    "table_rows_at",
 ]
 
 DEFAULT_INITIALIZER = jax.nn.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
@@ -67,6 +71,28 @@ DEFAULT_INITIALIZER = jax.nn.initializers.variance_scaling(1.0, "fan_in", "norma
 def dynamic_tables(layout: CollectionLayout) -> list[tuple[int, Any]]:
     """`(index in layout.tables, TableConfig)` of each dynamic table of the collection."""
     return [(i, t) for i, t in enumerate(layout.tables) if t.dynamic is not None]
+
+
+def table_rows_at(layout: CollectionLayout, name: str) -> int | None:
+    """A table-wise dynamic table's first row in its stack (its shard's first row plus its
+    offset there: `prepare`'s `rows_at`); None for one whose stack is its own."""
+    p = layout.placement(name)
+    if p.placement != "table":
+        return None
+    return p.shards[0] * layout.stack_of(name).local_rows + p.offset
+
+
+def _state_axes(layout: CollectionLayout, name: str) -> Any:
+    """The mesh axes a dynamic table's remap state splits over: its stack's rows', or None
+    (whole on every device: replicated, or table-wise)."""
+    if table_rows_at(layout, name) is not None:
+        return None
+    return (*layout.stack_of(name).spec, None)[0]
+
+
+def _weight_spec(layout: CollectionLayout, name: str) -> Any:
+    """The layout `rows_for` reads the state's split from: the stack's, or whole."""
+    return P() if table_rows_at(layout, name) is not None else layout.stack_of(name).spec
 
 
 def init_states(layout: CollectionLayout, *, mesh: Any = None) -> dict[str, DynamicState]:
@@ -86,7 +112,7 @@ def init_states(layout: CollectionLayout, *, mesh: Any = None) -> dict[str, Dyna
     for _, t in dynamic_tables(layout):
         state = remap.init_state(t.dynamic)
         if mesh is not None and isinstance(mesh, jax.sharding.Mesh):
-            specs = state_specs(t.dynamic, (*layout.stack_of(t.name).spec, None)[0])
+            specs = state_specs(t.dynamic, _state_axes(layout, t.name))
             place = lambda a, sp: jax.device_put(a, NamedSharding(mesh, sp))
             state = jax.tree.map(place, state, specs)
         out[t.name] = state
@@ -134,9 +160,9 @@ def remap_collection(
     """`prepare` without the optimizer states: the rows reset in each stack come back.
 
     Returns:
-      `(batch, stacks, remaps, stats, resets)`: as `prepare`'s, and each dynamic stack's
-      reset rows, int32 `[M]` (its features' id slots), the rows first, then `capacity`, for
-      `jaxembed.optim.dynamic.reset_optimizer_rows`.
+      `(batch, stacks, remaps, stats, resets)`: as `prepare`'s, and each dynamic table's
+      reset rows by table name, int32 `[M]` (its features' id slots; the table's own rows),
+      the rows first, then `capacity`, for `reset_states`.
     """
     batch, stacks = dict(batch), dict(stacks)
     remaps, stats, resets = dict(remaps), {}, {}
@@ -146,7 +172,7 @@ def remap_collection(
                 f"prepare: no remap state for dynamic table {t.name!r} (got states of "
                 f"{sorted(remaps)}): make them with init_states(layout)"
             )
-        stack = layout.stack_of(t.name)
+        stack, rows_at = layout.stack_of(t.name), table_rows_at(layout, t.name)
         dyn, total, reset = DynamicTable(stacks[stack.index], remaps[t.name]), None, []
         for f in (f for f in layout.features if f.table == t.name):
             ids, finish, not_ids = _split(f.name, batch[f.name])
@@ -154,7 +180,7 @@ def remap_collection(
                 t.dynamic, dyn, ids, step_index,
                 initializer=t.initializer or DEFAULT_INITIALIZER,
                 key=jax.random.fold_in(key, index), impl=impl, mesh=mesh,
-                weight_spec=stack.spec, check_ids=check_ids,
+                weight_spec=stack.spec, check_ids=check_ids, rows_at=rows_at,
             )  # fmt: skip
             batch[f.name] = finish(jnp.where(rows == t.dynamic.capacity, -1, rows))
             step = step._replace(reserved=step.reserved - not_ids)
@@ -164,7 +190,7 @@ def remap_collection(
         if total is not None:
             stats[t.name] = total
             # one list, the rows first (each feature's are; `capacity` sorts last)
-            resets[stack.index] = jnp.sort(jnp.concatenate(reset))
+            resets[t.name] = jnp.sort(jnp.concatenate(reset))
     return batch, stacks, remaps, stats, resets
 
 
@@ -226,18 +252,18 @@ def reset_states(
     stacks: Mapping[int, jax.Array],
     optimizer: Any,
     states: Mapping[int, Any],
-    resets: Mapping[int, jax.Array],
+    resets: Mapping[str, jax.Array],
     *,
     mesh: Any = None,
 ) -> dict[int, Any]:
-    """The optimizer states with each dynamic stack's reset rows (`remap_collection`'s
-    `resets`) back at their initial values; the other stacks' states as they are."""
+    """The optimizer states with each dynamic table's reset rows (`remap_collection`'s
+    `resets`, by table name) back at their initial values; the other rows as they are."""
     states = dict(states)
-    for s, reset in resets.items():
-        (name,) = layout.stacks[s].tables  # a dynamic table's stack holds it alone
+    for name, reset in resets.items():
+        s = layout.stack_of(name).index
         states[s] = reset_optimizer_rows(
             layout.table(name).dynamic, stacks[s], optimizer, states[s], reset, mesh=mesh,
-            weight_spec=layout.stacks[s].spec,
+            weight_spec=layout.stacks[s].spec, rows_at=table_rows_at(layout, name),
         )  # fmt: skip
     return states
 
@@ -257,8 +283,8 @@ def read_rows(
     for _, t in dynamic_tables(layout):
         for f in (f for f in layout.features if f.table == t.name):
             ids, finish, _ = _split(f.name, batch[f.name])
-            spec = layout.stack_of(t.name).spec
             rows = rows_for(t.dynamic, remaps[t.name], ids, impl=impl, mesh=mesh,
-                            weight_spec=spec, check_ids=check_ids)  # fmt: skip
+                            weight_spec=_weight_spec(layout, t.name),
+                            check_ids=check_ids)  # fmt: skip
             batch[f.name] = finish(jnp.where(rows == t.dynamic.capacity, -1, rows))
     return batch

@@ -33,7 +33,12 @@ from typing import Any
 
 import numpy as np
 
-from jaxembed.collection.config import FeatureConfig, TableConfig, check_configs
+from jaxembed.collection.config import (
+    DYNAMIC_PLACEMENTS,
+    FeatureConfig,
+    TableConfig,
+    check_configs,
+)
 from jaxembed.plan import cost
 from jaxembed.plan.collection_cost import CallCost, Context, LayoutCost, LayoutError, evaluate
 from jaxembed.plan.idstats import IdStats
@@ -213,7 +218,7 @@ def _choices(t: TableConfig, sizes: dict[str, int]) -> list[str]:
     if t.dim % cols == 0:
         out.append("columns")
     if t.dynamic is not None:  # its rows are reset where they live: block rows or whole
-        out = [c for c in out if c in ("rows", "replicated")]
+        out = [c for c in out if c in DYNAMIC_PLACEMENTS]
     return [c for c in _CHOICES if c in out] if split > 1 else ["replicated"]
 
 
@@ -438,7 +443,7 @@ def _search(auto, current, best, price, sizes, key, budget):
 
 def _dynamic_note(t: TableConfig, row_shards: int) -> str:
     """A dynamic table's line says so, and what its remap state (split with its rows over
-    `row_shards`) adds to each device's memory."""
+    `row_shards`; 1: whole, replicated or table-wise) adds to each device's memory."""
     if t.dynamic is None:
         return ""
     d = t.dynamic
@@ -511,7 +516,7 @@ def _assemble(ctx, best: LayoutCost, budget, reasons, tables) -> CollectionPlan:
             row_sharding=p.row_sharding, stack=layout.stacks[p.stack].name, exchange=exchange,
             wire_bytes=wire, modelled_ms=ms, memory_bytes=best.table_bytes[t.name],
             reason=reasons.get(t.name, "fixed by its config")
-            + _dynamic_note(t, layout.stacks[p.stack].num_shards),
+            + _dynamic_note(t, 1 if p.placement == "table" else layout.stacks[p.stack].num_shards),
         ))  # fmt: skip
     routes = any(c.exchange == "routed" for c in best.calls)
     stats = ctx.stats

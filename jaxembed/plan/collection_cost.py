@@ -461,6 +461,22 @@ def _row_bytes(ctx: Context, stack: Stack, h_local: int) -> int:
     return qformat.packed_bytes(h_local, precision) + side
 
 
+REMAP_SLOT_S = 60e-9
+"""Seconds a dynamic table's remap spends on each id slot a device steps on: one core at the
+throughput benchmark's 35 M ids/s on two (`benchmarks/dynamic/throughput.py`), about 57 ns."""
+
+
+def _remap_ms(ctx: Context, layout: CollectionLayout, t: TableConfig, features) -> float:
+    """A dynamic table's remap a step: by rows with the batch split over the same axes, each
+    device steps on its share of the slots (routed to their owners); otherwise (table-wise,
+    replicated, or the batch split elsewhere) every device steps on every slot."""
+    slots = ctx.batch_size * sum(f.max_ids or 1 for f in features if f.table == t.name)
+    stack = layout.stack_of(t.name)
+    routed = (layout.placement(t.name).placement == "rows"
+              and tuple(stack.row_axes) == tuple(ctx.batch_axes))  # fmt: skip
+    return (slots / stack.num_shards if routed else slots) * REMAP_SLOT_S * 1e3
+
+
 def evaluate(
     ctx: Context, tables: Sequence[TableConfig], features: Sequence[FeatureConfig]
 ) -> LayoutCost:
@@ -488,7 +504,8 @@ def evaluate(
             used += held * (row_bytes + state_row)
             table_bytes[name] = int(held.max() * (row_bytes + state_row))
             if by_table[name].dynamic is not None:  # the remap's state, split with the rows
-                remap = by_table[name].dynamic.shard(stack.num_shards).state_bytes
+                whole = layout.placement(name).placement == "table"  # (table-wise: whole)
+                remap = by_table[name].dynamic.shard(1 if whole else stack.num_shards).state_bytes
                 allocated, used = allocated + remap, used + remap
                 table_bytes[name] += remap
         members = [f for f in features if layout.placement(f.table).stack == stack.index]
@@ -555,6 +572,7 @@ def evaluate(
         (c.transient_bytes for c in calls), default=0
     )
     step = sum(c.modelled_ms for c in calls) + float(update_total.max(initial=0.0))
+    step += sum(_remap_ms(ctx, layout, t, features) for t in tables if t.dynamic is not None)
     return LayoutCost(
         tables=tuple(tables), layout=layout, calls=tuple(calls), step_ms=step,
         allocated_bytes=int(allocated), used_bytes=tuple(int(u) for u in used),

@@ -37,7 +37,7 @@ from jaxembed.kernels.collection import collection_update
 from jaxembed.kernels.update import after
 from jaxembed.nn.linen_collection import find_params, replace_params
 from jaxembed.optim.dynamic import reset_table_rows
-from jaxembed.optim.dynamic_collection import DEFAULT_INITIALIZER, dynamic_tables
+from jaxembed.optim.dynamic_collection import DEFAULT_INITIALIZER, dynamic_tables, table_rows_at
 from jaxembed.training.common import Grads, argnums_tuple
 
 __all__ = [
@@ -266,12 +266,13 @@ def _reset_dynamic_stacks(layout, optimizer, tables, states, resets, t, key, mes
     key = jax.random.wrap_key_data(key)
     for index, t_cfg in dynamic_tables(layout):
         stack = layout.stack_of(t_cfg.name)
-        if stack.index not in resets:
+        if t_cfg.name not in resets:
             continue
         tables[stack.index], states[stack.index] = reset_table_rows(
             t_cfg.dynamic, tables[stack.index], optimizer, states[stack.index],
-            resets[stack.index], t, initializer=t_cfg.initializer or DEFAULT_INITIALIZER,
+            resets[t_cfg.name], t, initializer=t_cfg.initializer or DEFAULT_INITIALIZER,
             key=jax.random.fold_in(key, index), mesh=mesh, weight_spec=stack.spec,
+            rows_at=table_rows_at(layout, t_cfg.name),
         )  # fmt: skip
     return tables, states
 
