@@ -13,6 +13,7 @@ state and places a dynamic table only "rows" or "replicated"; bad configs raise.
 """
 
 import contextlib
+import dataclasses
 
 import flax.linen as linen
 import jax
@@ -249,9 +250,8 @@ def test_the_planner_counts_the_remap_state_and_places_rows_table_or_replicated(
     assert shard.state_bytes == (cfg.state_bytes - 4) // 8 + 4
     assert by["user"].memory_bytes - by["user_static"].memory_bytes == shard.state_bytes
     # both "table": the dynamic one's device holds its rows, and every device the whole state
-    for t in fixed:
-        object.__setattr__(t, "placement", "table")
-    whole = jaxembed.plan_collection(fixed, feats, mesh, batch_size=512,
+    tablewise = [dataclasses.replace(t, placement="table") for t in fixed]
+    whole = jaxembed.plan_collection(tablewise, feats, mesh, batch_size=512,
                                      memory_per_device="1GiB", backend="cpu")  # fmt: skip
     by = {t.name: t for t in whole.tables}
     assert whole.placements == {"user": "table", "user_static": "table"}

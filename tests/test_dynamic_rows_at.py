@@ -105,8 +105,10 @@ def test_bad_rows_at_names_the_value():
     table = D.DynamicTable(jnp.zeros((20, H)), D.init_table(cfg, H).state)
     keys = K.as_keys(np.array([1, 2], np.int64))
     kw = dict(initializer=INIT, key=KEY, optimizer=None)
-    for bad in (-1, True, 1.5):
-        with pytest.raises(ValueError, match=f"rows_at={bad!r} must be a non-negative int"):
+    for bad in (True, 1.5, "4"):
+        with pytest.raises(TypeError, match=f"rows_at={bad!r} must be an int"):
             D.prepare(cfg, table, None, keys, 0, rows_at=bad, **kw)
+    with pytest.raises(ValueError, match="rows_at=-1 must be >= 0"):
+        D.prepare(cfg, table, None, keys, 0, rows_at=-1, **kw)
     with pytest.raises(ValueError, match=r"rows_at=5 \+ capacity=16 is past the 20 rows"):
         D.prepare(cfg, table, None, keys, 0, rows_at=5, **kw)

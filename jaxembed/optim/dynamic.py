@@ -182,11 +182,13 @@ def check_dynamic_table(config: DynamicTableConfig, dyn: Any, rows_at: int | Non
 
 def _check_rows_at(config: DynamicTableConfig, table: Any, rows_at: Any) -> int:
     """`rows_at` as an int, or raises unless the table holds `capacity` rows from it on."""
-    if isinstance(rows_at, bool) or not isinstance(rows_at, int | np.integer) or rows_at < 0:
-        raise ValueError(
-            f"rows_at={rows_at!r} must be a non-negative int: the table's first row in the "
-            "stack that holds it (None: the table is its own)"
+    if isinstance(rows_at, bool) or not isinstance(rows_at, int | np.integer):
+        raise TypeError(
+            f"rows_at={rows_at!r} must be an int: the table's first row in the stack that "
+            "holds it (None: the table is its own)"
         )
+    if rows_at < 0:
+        raise ValueError(f"rows_at={rows_at} must be >= 0: the table's first row in its stack")
     if int(rows_at) + config.capacity > table.shape[0]:
         raise ValueError(
             f"rows_at={rows_at} + capacity={config.capacity} is past the {table.shape[0]} "
