@@ -1,8 +1,8 @@
 """A dynamic table stored in part of a larger table (`rows_at`): a collection's table-wise
 stack holds it on one shard beside other tables.
 
-`prepare(..., rows_at=r)` on an `[8·24, H]` stack split over 8 devices, the table at shard 3's
-fourth row, gives what `prepare` gives the table alone on one device, bit for bit: rows,
+`prepare(..., rows_at=r)` on an `[8·24, H]` stack split over 8 devices (or over model on a
+(data 2, model 4) mesh, two replicas a shard), the table from row 76 on, gives what `prepare` gives the table alone on one device, bit for bit: rows,
 counts, remap state, and the stack's rows `[r, r + capacity)` and their optimizer state; every
 other row of the stack and its state stays as it was. `remap_table` then `reset_optimizer_rows`
 and `reset_table_rows` with `rows_at` give the same bits. Bad `rows_at` values are named.
@@ -22,7 +22,7 @@ from jaxembed.optim import dynamic as D
 
 OPT = jaxembed.optim.adagrad(0.3)
 LOCAL, SHARD, OFFSET = 24, 3, 4
-ROWS_AT = SHARD * LOCAL + OFFSET
+ROWS_AT = SHARD * LOCAL + OFFSET  # on (model 8) shard 3's fifth row; on (model 4), shard 1's
 
 
 def stack_and_state(mesh, capacity):
@@ -39,10 +39,14 @@ def stack_and_state(mesh, capacity):
     return stack, state
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_a_table_inside_a_stack_steps_as_the_table_alone(policy):
+@pytest.mark.parametrize(
+    "policy,shape", [("lru", (8,)), ("lfu", (8,)), ("lfu", (2, 4)), ("ttl", (2, 4))]
+)
+def test_a_table_inside_a_stack_steps_as_the_table_alone(policy, shape):
+    """On (model 8), and on (data 2, model 4) where the stack splits over model and each of
+    its row shards has two replicas, both of which must reset the rows."""
     cfg = config(policy)
-    mesh = jax.make_mesh((8,), ("model",))
+    mesh = jax.make_mesh(shape, ("data", "model")[-len(shape) :])
     alone = D.init_table(cfg, H)
     alone_state = OPT.init(alone.table)
     stack, stack_state = stack_and_state(mesh, cfg.capacity)
