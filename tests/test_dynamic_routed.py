@@ -145,3 +145,16 @@ def test_routes_keep_slot_order_and_flag_overflow():
         assert K.is_reserved(np.asarray(r.send[j, len(mine) :])).all()
     small = remap_routed.route(keys, nb, n, seed, c=2)
     assert bool(small.overflow)
+
+
+def test_an_empty_batch_split_over_the_rows_changes_nothing():
+    cfg = config("lfu")
+    mesh = jax.make_mesh((8,), ("model",))
+    dyn = D.init_table(cfg, H, mesh=mesh, weight_spec=P("model", None))
+    for shape in [(0, L), (8, 0)]:
+        keys = jax.device_put(jnp.zeros((*shape, 2), jnp.uint32), NamedSharding(mesh, P("model")))
+        rows, after, _, stats = D.prepare(cfg, dyn, None, keys, 0, initializer=INIT, key=KEY,
+                                          optimizer=None, check_ids=False)  # fmt: skip
+        assert rows.shape == shape and [int(x) for x in stats] == [0] * 6
+        for a, b in zip(after.state, dyn.state, strict=True):
+            np.testing.assert_array_equal(a, b)

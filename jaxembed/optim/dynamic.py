@@ -494,8 +494,9 @@ def _run(s: _Static, state, keys, t, key, table, leaves, fresh):
 
 def _routes(keys: jax.Array, layout: _Layout) -> bool:
     """Whether a step routes each id to its owner: the rows split over more than one shard,
-    and the keys' batch (their first axis, the others whole) split over the rows' axes."""
-    if layout.shards == 1 or keys.ndim < 2:
+    and the keys' batch (their first axis, the others whole; not empty) split over the rows'
+    axes."""
+    if layout.shards == 1 or keys.ndim < 2 or keys.size == 0:
         return False
     spec = stated_spec(keys, layout.mesh)
     if spec is None:
