@@ -10,6 +10,7 @@ import json
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -21,6 +22,7 @@ import jaxembed.flax
 import jaxembed.nnx
 from jaxembed import cli, hlo
 from jaxembed.collection import FeatureConfig, TableConfig, collection_update, layout_collection
+from jaxembed.kernels.collection import collection_lookup
 from jaxembed.plan.collection import parse_bytes, plan_collection
 from jaxembed.plan.idstats import id_stats
 from jaxembed.rowsharding import bucket_loads
@@ -284,6 +286,52 @@ def test_skewed_ids_choose_mod_rows_and_block_rows_overflow_routed():
     assert plan_collection(fixed, features, MESH, **kw).calls[0].exchange == "routed"
     plan = plan_collection(fixed, features, MESH, id_stats=stats, **kw)
     assert plan.calls[0].exchange == "none" and "routed would overflow" in plan.calls[0].note
+
+
+def test_a_hot_id_overflows_the_owners_slots_not_the_sources_distinct_ids():
+    """Half of every batch's slots read id 3: pooled at the owner (slots travel) that owner's
+    places overflow every step; pooled at the source (distinct ids travel) they do not. The
+    planner reads the slots' skew (`IdStats.counts`) and never plans the overflowing way."""
+    tables = [TableConfig("item", 4096, 16, placement="rows", row_sharding="mod")]
+    features = [FeatureConfig("clicked", "item", "sum", 20)]
+    rng = np.random.default_rng(1)
+
+    def batch():
+        ids = rng.integers(0, 4096, (512, 20))
+        ids[rng.random((512, 20)) < 0.5] = 3
+        return {"clicked": ids}
+
+    stats = id_stats([batch() for _ in range(3)], features)
+    got = stats.shard_shares("item", vocab_size=4096, num_shards=8, row_sharding="mod",
+                             slots=True)  # fmt: skip
+    flat = np.concatenate([np.asarray(b) for b in stats.samples["item"]])
+    weights = np.concatenate([np.asarray(c) for c in stats.counts["item"]])
+    assert weights.sum() == pytest.approx(3 * 512 * 20)
+    assert got[3] > 0.5 and got.sum() == pytest.approx(1)  # id 3's shard: over half the slots
+    distinct = stats.shard_shares("item", vocab_size=4096, num_shards=8, row_sharding="mod")
+    assert distinct.max() < 0.14  # its distinct ids are spread evenly
+    assert np.bincount(flat % 8, minlength=8).sum() == flat.size
+    kw = dict(batch_size=4096, memory_per_device="64MiB", backend="cpu")
+    plan = plan_collection(tables, features, MESH, id_stats=stats, **kw)
+    (call,) = plan.calls  # routed beats the gather here, but not pooled at the owner
+    assert call.exchange == "routed" and call.routed_pool == "source", call.note
+    assert not call.plan.routed.pooled_at_owner
+    assert "id slots" in call.note and "pooled at the source, it fits" in call.note
+    assert plan.exchanges == {0: "routed:source"}
+    # the same collection, its plan's exchanges as given: the source-pooled route equals the
+    # gather exchange (values and update), which the collection tests check against float64
+    mesh = jax.make_mesh((8,), ("model",))
+    layout = layout_collection(tables, features, mesh)
+    (stack,) = layout.stacks
+    table = jax.device_put(jnp.asarray(rng.normal(size=stack.shape), jnp.float32),
+                           NamedSharding(mesh, stack.spec))  # fmt: skip
+    ids = jax.device_put(jnp.asarray(batch()["clicked"][:64], jnp.int32),
+                         NamedSharding(mesh, P("model")))  # fmt: skip
+    out = {e: collection_lookup(layout, {0: table}, {"clicked": ids}, exchange={0: e})
+           for e in ("rows", "routed:source", "routed:owner")}  # fmt: skip
+    for e in ("routed:source", "routed:owner"):
+        np.testing.assert_allclose(out[e]["clicked"], out["rows"]["clicked"], rtol=1e-6,
+                                   atol=1e-6, err_msg=e)  # fmt: skip
 
 
 def write_tables(tmp_path, tables=TABLES, features=FEATURES, extra=None):

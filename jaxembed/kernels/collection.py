@@ -419,7 +419,7 @@ def collection_lookup(
             exchange=stack_exchange(exchange, layout, group.stack),
             capacity_factor=capacity_factor, impl=impl, combiner=group.combiner, check_ids=False,
             function="EmbeddingBagCollection", ids_advice=IDS_ADVICE,
-            routed_pool=_routed_pool(routed_pool, group.combiner),
+            routed_pool=_routed_pool(routed_pool, group.combiner, exchange, group.stack),
         )  # fmt: skip
         if return_stats:
             options = dataclasses.replace(options, return_stats=True)
@@ -545,7 +545,7 @@ def stack_exchange(exchange: Any, layout: CollectionLayout, stack: int) -> str:
     every step (the exact fallback is the gather exchange plus the bucketing). Mod rows (the
     hot ids spread over the shards) and a `CollectionPlan`'s exchanges, priced with the ids'
     measured skew (`id_stats`), route where that is faster."""
-    chosen = _requested(exchange, stack)
+    chosen = _requested(exchange, stack).split(":")[0]  # a plan's pooling: `_routed_pool`
     if chosen.startswith("table+"):  # a plan's: table-wise calls, the rest by this exchange
         return chosen.removeprefix("table+")
     if chosen == "auto" and any(
@@ -669,7 +669,8 @@ def collection_update(
                 mesh=mesh, x_spec=ids_spec, weight_spec=_weight_spec(stack, where),
                 exchange=stack_exchange(exchange, layout, group.stack),
                 capacity_factor=capacity_factor, impl=impl,
-                routed_pool=_routed_pool(routed_pool, group.combiner), return_stats=return_stats,
+                routed_pool=_routed_pool(routed_pool, group.combiner, exchange, group.stack),
+                return_stats=return_stats,
             )  # fmt: skip
         stacks[group.stack], states[group.stack] = done[:2]
         if return_stats:
@@ -688,8 +689,13 @@ def _add_update_stats(total: UpdateStats | None, call: UpdateStats) -> UpdateSta
     return UpdateStats(fallback, total.rows + call.rows)
 
 
-def _routed_pool(routed_pool: str, combiner: str) -> str:
-    """A call's `routed_pool`: a max-pooled call has no partial sums to pool at the owner."""
+def _routed_pool(routed_pool: str, combiner: str, exchange: Any, stack: int) -> str:
+    """A call's `routed_pool`: the plan's for its stack (a `CollectionPlan`'s exchange
+    `"routed:source"` or `"table+routed:source"`, where pooling at the owner would overflow),
+    else the one asked for; a max-pooled call has no partial sums to pool at the owner."""
+    requested = _requested(exchange, stack)
+    if ":" in requested:
+        routed_pool = requested.split(":")[1]
     return "auto" if combiner == "max" and routed_pool == "owner" else routed_pool
 
 

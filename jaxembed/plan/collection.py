@@ -140,12 +140,15 @@ class CollectionPlan:
         modules read it from `placements=plan`). A stack whose calls differ is left out
         (`"auto"` decides it); `"none"` runs as `"rows"` (nothing to exchange); `"table"`
         is the table-wise exchange (`jaxembed.kernels.tablewise`), and `"table+X"` a stack
-        whose table-wise call is planned so and whose other call runs X."""
+        whose table-wise call is planned so and whose other call runs X. A routed call the
+        planner pools where the plan alone would not says so: `"routed:source"` (pooled at
+        the owner, the sample's hot ids would overflow the owner's places every step)."""
         by_stack: dict[int, set[str]] = {}
         for call in self.calls:
-            by_stack.setdefault(call.stack, set()).add(
-                "rows" if call.exchange == "none" else call.exchange
-            )
+            exchange = "rows" if call.exchange == "none" else call.exchange
+            if call.routed_pool != "auto":  # the planner's pooling: pooled the other way
+                exchange += f":{call.routed_pool}"  # a hot id's slots overflow an owner
+            by_stack.setdefault(call.stack, set()).add(exchange)
         out = {}
         for s, e in sorted(by_stack.items()):
             if len(e) == 1:

@@ -168,6 +168,54 @@ def _weighted(combiner: str, group: Sequence[FeatureConfig]) -> bool:
     return combiner == "sum" and any(f.combiner in ("mean", "sqrtn") or f.weighted for f in group)
 
 
+def _call_plan(ctx: Context, x_shape, stack: Stack, num_bags: int, combiner: str,
+               dense: bool, weighted: bool, exchange: str, routed_pool: str = "auto"):  # fmt: skip
+    """The `EmbeddingPlan` of one call of the stack with `exchange` (and `routed_pool`)."""
+    return plan_embedding_bag(
+        ctx.mesh, x_shape, stack.shape, num_bags=None if dense else num_bags,
+        combiner=combiner, weighted=weighted, x_spec=ctx.x_spec,
+        lengths_spec=None if dense else P(),
+        weights_spec=ctx.x_spec if weighted else None, weight_spec=stack.spec,
+        dtype=stack.dtype, exchange=exchange, update=ctx.update, backend=ctx.constants.backend,
+        optimizer_slots=ctx.state_slots, routed_pool=routed_pool,
+    )  # fmt: skip
+
+
+def _option_of(ctx: Context, stack: Stack, weighted: bool, p: EmbeddingPlan, c) -> _Option:
+    """The option of running plan `p` (candidate `c` of its exchange): its modelled step with
+    the output's moves and the update's second move of the ids, and its buffers."""
+    k = ctx.constants
+    out_fwd, out_bwd, n_out = _out_move(ctx, p)
+    again, n_again = _update_extra(ctx, p)
+    extra = (out_fwd + out_bwd + again) / k.link_bytes_per_s + (n_out + n_again) * k.latency_s
+    ms, update_bytes = c.modelled_ms + extra * 1e3, p.backward_wire_bytes
+    if not ctx.update:  # serving: the lookup's way alone
+        out_bwd, update_bytes = 0.0, 0.0
+        ms = _serving_seconds(ctx, stack, p, c, out_fwd, 1 + (n_out > 2) if n_out else 0)
+    mem = p.memory
+    return _Option(
+        name=c.name, plan=p, ms=ms, update_bytes=update_bytes, out_move_bytes=(out_fwd, out_bwd),
+        transient_bytes=mem.ids * (2 if weighted else 1) + mem.out + mem.exchange_buffers
+        + mem.update_buffers,
+    )  # fmt: skip
+
+
+def _other_pool(ctx: Context, x_shape, stack: Stack, num_bags: int, combiner: str,
+                dense: bool, weighted: bool, routed: _Option) -> _Option | None:  # fmt: skip
+    """The routed option pooled the other way (at the source where the plan pooled at the
+    owner, and back), or None where the call pools nothing (cached like the options)."""
+    if routed.plan.routed is None or not routed.plan.routed.pool_costs:
+        return None
+    pool = "source" if routed.plan.routed.pooled_at_owner else "owner"
+    key = (x_shape, stack.shape, stack.spec, num_bags, combiner, stack.dtype, dense, weighted,
+           pool)  # fmt: skip
+    if key not in ctx.plans:
+        p = _call_plan(ctx, x_shape, stack, num_bags, combiner, dense, weighted, "routed", pool)
+        (c,) = [c for c in p.candidates if c.name == "routed"]
+        ctx.plans[key] = _option_of(ctx, stack, weighted, p, c)
+    return ctx.plans[key]
+
+
 def _options(
     ctx: Context, x_shape, stack: Stack, num_bags: int, combiner: str, dense: bool, weighted: bool
 ):
@@ -176,33 +224,13 @@ def _options(
         return ctx.plans[key]
 
     def plan(exchange):
-        return plan_embedding_bag(
-            ctx.mesh, x_shape, stack.shape, num_bags=None if dense else num_bags,
-            combiner=combiner, weighted=weighted, x_spec=ctx.x_spec,
-            lengths_spec=None if dense else P(),
-            weights_spec=ctx.x_spec if weighted else None, weight_spec=stack.spec,
-            dtype=stack.dtype, exchange=exchange, update=ctx.update, backend=ctx.constants.backend,
-            optimizer_slots=ctx.state_slots,
-        )  # fmt: skip
+        return _call_plan(ctx, x_shape, stack, num_bags, combiner, dense, weighted, exchange)
 
     auto = plan("auto")
-    options, k = {}, ctx.constants
+    options = {}
     for c in auto.candidates:
         p = auto if auto.exchange == c.name else plan("rows" if c.name == "none" else c.name)
-        out_fwd, out_bwd, n_out = _out_move(ctx, p)
-        again, n_again = _update_extra(ctx, p)
-        extra = (out_fwd + out_bwd + again) / k.link_bytes_per_s + (n_out + n_again) * k.latency_s
-        ms, update_bytes = c.modelled_ms + extra * 1e3, p.backward_wire_bytes
-        if not ctx.update:  # serving: the lookup's way alone
-            out_bwd, update_bytes = 0.0, 0.0
-            ms = _serving_seconds(ctx, stack, p, c, out_fwd, 1 + (n_out > 2) if n_out else 0)
-        mem = p.memory
-        options[c.name] = _Option(
-            name=c.name, plan=p, ms=ms, update_bytes=update_bytes,
-            out_move_bytes=(out_fwd, out_bwd),
-            transient_bytes=mem.ids * (2 if weighted else 1) + mem.out + mem.exchange_buffers
-            + mem.update_buffers,
-        )  # fmt: skip
+        options[c.name] = _option_of(ctx, stack, weighted, p, c)
     if not ctx.update:  # the gather exchanges share their forward: keep one of them
         same = [n for n in ("none", "rows", "dense") if n in options]
         for n in same[1:]:
@@ -308,6 +336,9 @@ class CallCost:
         body again, which XLA may share with the lookup's when both are in one step.
       owner_slots: a table-wise call (`exchange="table"`): the slots its busiest owner walks,
         `batch · F_o · L` (0 for the other exchanges: their plan's candidates count them).
+      routed_pool: a routed call's pooling where the planner chose it against the plan's
+        own choice (`"source"`: pooled at the owner, a hot id's slots would overflow the
+        owner's capacity), else `"auto"`.
       fallback_forward_bytes, fallback_update_bytes: (properties) the routed fallback's.
     """
 
@@ -330,6 +361,7 @@ class CallCost:
     note: str
     ids_again_bytes: float = 0.0
     owner_slots: int = 0
+    routed_pool: str = "auto"
 
     @property
     def wire_bytes(self) -> float:
@@ -378,15 +410,17 @@ def _device_shards(ctx: Context, stack: Stack) -> np.ndarray:
     return shard
 
 
-def _shares(ctx: Context, t: TableConfig, layout: CollectionLayout, stack: Stack) -> np.ndarray:
-    """Per row shard of the stack, its share of the table's distinct ids."""
+def _shares(ctx: Context, t: TableConfig, layout: CollectionLayout, stack: Stack,
+            slots: bool = False) -> np.ndarray:  # fmt: skip
+    """Per row shard of the stack, its share of the table's distinct ids (`slots`: of its
+    id slots)."""
     p = layout.placement(t.name)
     out = np.zeros(max(stack.num_shards, 1))
     k = len(p.shards)
     if ctx.stats is not None and k > 1:
         q = ctx.stats.shard_shares(
             t.name, vocab_size=t.vocab_size, num_shards=k, row_sharding=p.row_sharding,
-            rotation=p.rotation,
+            rotation=p.rotation, slots=slots,
         )  # fmt: skip
     else:
         q = np.full(k, 1.0 / k)
@@ -413,9 +447,17 @@ def _held_rows(layout: CollectionLayout, t: TableConfig, stack: Stack, shards) -
     return np.where(j >= 0, held, 0).astype(np.int64)
 
 
+def _pool_of(option: _Option) -> str:
+    """Where a routed option pools a bag: `"owner"` or `"source"`."""
+    return "owner" if option.plan.routed.pooled_at_owner else "source"
+
+
 def _routed_overflow(ctx, option, stack, calls_tables, layout, by_table, per_slot) -> str:
-    """Why the routed exchange's busiest owner overflows its capacity, or ""."""
+    """Why the routed exchange's busiest owner overflows its capacity, or "": the distinct
+    ids it receives from a device, or, pooled at the owner, the slots (a hot id's slots all
+    go to one owner)."""
     routed = option.plan.routed
+    slots = routed.pooled_at_owner
     b_dev = routed.slots / per_slot
     row_axes = list(stack.row_axes)
     coords = np.indices([ctx.sizes[a] for a in row_axes]).reshape(len(row_axes), -1)
@@ -425,13 +467,16 @@ def _routed_overflow(ctx, option, stack, calls_tables, layout, by_table, per_slo
     load = np.zeros(routed.num_buckets)
     for name, ids_per_example in calls_tables.items():
         t = by_table[name]
-        distinct = distinct_draws(b_dev * ids_per_example, ctx.vocab_eff(t))
-        np.add.at(load, bucket, distinct * _shares(ctx, t, layout, stack))
+        sent = b_dev * ids_per_example
+        if not slots:
+            sent = distinct_draws(sent, ctx.vocab_eff(t))
+        np.add.at(load, bucket, sent * _shares(ctx, t, layout, stack, slots=slots))
     busiest = float(load.max())
     if busiest <= routed.capacity:
         return ""
+    what = "id slots" if slots else "distinct ids"
     return (
-        f"routed would overflow: its busiest owner expects {busiest:.0f} distinct ids per "
+        f"routed would overflow: its busiest owner expects {busiest:.0f} {what} per "
         f"device, over its capacity {routed.capacity}, so it would run its fallback"
     )
 
@@ -533,12 +578,32 @@ def evaluate(
                 if table_wise:  # the call of the table-placed features: table-wise only
                     options = {"table": _tablewise_option(ctx, layout, stack, group, width,
                                                           weighted, options)}  # fmt: skip
-                costs, notes = {}, {}
-                for name, o in options.items():
+                costs, notes, repooled = {}, {}, "auto"
+                for name, o in list(options.items()):
                     costs[name] = o.ms
                     if name == "routed" and "none" in options:
                         why = _routed_overflow(ctx, o, stack, ids_of, layout, by_table, per_slot)
-                        if why:  # the flag's all-reduce, then the gather path
+                        other = (
+                            _other_pool(
+                                ctx,
+                                x_shape,
+                                stack,
+                                num_bags,
+                                combiner,
+                                width is not None,
+                                weighted,
+                                o,
+                            )
+                            if why
+                            else None
+                        )
+                        if other is not None and not _routed_overflow(
+                            ctx, other, stack, ids_of, layout, by_table, per_slot
+                        ):  # pooled the other way, it fits: a hot id is one id at the source
+                            options[name], costs[name] = other, other.ms
+                            repooled = _pool_of(other)
+                            notes[name] = f"{why}; pooled at the {repooled}, it fits"
+                        elif why:  # the flag's all-reduce, then the gather path
                             costs[name] = options["none"].ms + ctx.constants.latency_s * 1e3
                             notes[name] = why
                 best = min(options, key=lambda n: (costs[n], options[n].wire_bytes))
@@ -566,7 +631,7 @@ def evaluate(
                     transient_bytes=o.transient_bytes,
                     options=tuple((n, costs[n]) for n in options),
                     note="; ".join(notes.values()), ids_again_bytes=o.ids_again_bytes,
-                    owner_slots=o.owner_slots,
+                    owner_slots=o.owner_slots, routed_pool=repooled if best == "routed" else "auto",
                 ))  # fmt: skip
     buffers = sum(c.activation_bytes for c in calls) + max(
         (c.transient_bytes for c in calls), default=0

@@ -55,6 +55,8 @@ class IdStats:
       ids_per_batch: per table, the mean ids a batch reads from it (all its features).
       unique_per_batch: per table, the mean distinct ids among those.
       samples: per table, the distinct ids of up to 8 batches (for `skew`).
+      counts: per table, how many slots of its batch each of those ids filled (the slots'
+        skew, `shard_shares(..., slots=True)`); empty where not measured.
     """
 
     num_batches: int
@@ -63,6 +65,7 @@ class IdStats:
     ids_per_batch: dict[str, float]
     unique_per_batch: dict[str, float]
     samples: dict[str, tuple[np.ndarray, ...]]
+    counts: dict[str, tuple[np.ndarray, ...]] = dataclasses.field(default_factory=dict)
 
     def duplication(self, table: str) -> float:
         """Ids per distinct id of `table` in a batch (1.0: no id repeats)."""
@@ -80,19 +83,24 @@ class IdStats:
 
     def shard_shares(
         self, table: str, *, vocab_size: int, num_shards: int, row_sharding: str,
-        rotation: int = 0,
+        rotation: int = 0, slots: bool = False,
     ) -> np.ndarray:  # fmt: skip
-        """Each row shard's share of a batch's distinct ids of `table` (sums to 1), averaged
-        over the sample; uniform when the sample holds none. Mod rows go to shard
+        """Each row shard's share of a batch's distinct ids of `table` (with `slots`: of its
+        id slots, each id counted as often as it occurs) (sums to 1), averaged over the
+        sample; uniform when the sample holds none. Mod rows go to shard
         `(id + rotation) % num_shards` (`TablePlacement.rotation`)."""
         per_shard = -(-vocab_size // num_shards)
         shares = []
-        for ids in self.samples.get(table, ()):
-            ids = ids[ids < vocab_size]
+        counts = self.counts.get(table, ()) if slots else ()
+        for i, ids in enumerate(self.samples.get(table, ())):
+            weight = counts[i] if i < len(counts) else np.ones(ids.shape, np.int64)
+            keep = ids < vocab_size
+            ids, weight = ids[keep], weight[keep]
             if ids.size:
                 owner = ((ids + rotation) % num_shards if row_sharding == "mod"
                          else ids // per_shard)  # fmt: skip
-                shares.append(np.bincount(owner, minlength=num_shards) / ids.size)
+                load = np.bincount(owner, weights=weight, minlength=num_shards)
+                shares.append(load / load.sum())
         if not shares:
             return np.full(num_shards, 1.0 / num_shards)
         return np.mean(shares, axis=0)
@@ -141,6 +149,7 @@ def id_stats(batches: Iterable[Mapping[str, Any]], features: Sequence[FeatureCon
     per_table: dict[str, list[float]] = {}
     unique: dict[str, list[float]] = {}
     samples: dict[str, list[np.ndarray]] = {}
+    counts: dict[str, list[np.ndarray]] = {}
     sizes = []
     for i, batch in enumerate(batches):
         missing = sorted(set(by_name) - set(batch))
@@ -158,12 +167,13 @@ def id_stats(batches: Iterable[Mapping[str, Any]], features: Sequence[FeatureCon
                 sizes.append(bags)
         for table, parts in ids_of.items():
             ids = np.concatenate(parts)
-            distinct = np.unique(ids)
+            distinct, count = np.unique(ids, return_counts=True)
             per_table.setdefault(table, []).append(float(ids.size))
             unique.setdefault(table, []).append(float(distinct.size))
             kept = samples.setdefault(table, [])
             if len(kept) < _MAX_SAMPLES:
                 kept.append(distinct[:_MAX_SAMPLE_IDS])
+                counts.setdefault(table, []).append(count[:_MAX_SAMPLE_IDS])
     if not sizes:
         raise ValueError("id_stats: no batches given: pass a few batches of the training data")
     return IdStats(
@@ -173,6 +183,7 @@ def id_stats(batches: Iterable[Mapping[str, Any]], features: Sequence[FeatureCon
         ids_per_batch={k: float(np.mean(v)) for k, v in per_table.items()},
         unique_per_batch={k: float(np.mean(v)) for k, v in unique.items()},
         samples={k: tuple(v) for k, v in samples.items()},
+        counts={k: tuple(v) for k, v in counts.items()},
     )
 
 
