@@ -165,6 +165,12 @@ class CollectionLayout:
     def table(self, name: str) -> TableConfig:
         return {t.name: t for t in self.tables}[name]
 
+    def state_shards(self, table: str) -> int:
+        """The shards a dynamic table's remap state splits over: its stack's row shards
+        (`"rows"`), or 1, whole on every device (`"table"`, `"replicated"`)."""
+        whole = self.placement(table).placement == "table"
+        return 1 if whole else self.stack_of(table).num_shards
+
     def __str__(self) -> str:
         lines = [f"CollectionLayout  mesh: {' x '.join(f'{n}={s}' for n, s in self.mesh_axes)}"]
         for s in self.stacks:

@@ -73,6 +73,9 @@ def route(keys: jax.Array, num_buckets: int, n: int, seed: int, c: int) -> Route
     """
     m = keys.shape[0]
     owner = jnp.where(is_reserved(keys), n, owner_of(keys, num_buckets, n, seed))  # i32[m]
+    # Each slot's rank among its owner's, by a running count per owner: O(m·n) int32, small
+    # beside the step for the shard counts of one host's devices (a stable sort by owner
+    # would do for many more).
     hit = owner[:, None] == jnp.arange(n, dtype=jnp.int32)[None, :]  # bool[m, n]
     before = jnp.cumsum(hit, axis=0, dtype=jnp.int32) - 1  # i32[m, n]: the slot's rank
     pos = jnp.take_along_axis(before, jnp.minimum(owner, n - 1)[:, None], axis=1)[:, 0]

@@ -85,14 +85,9 @@ def table_rows_at(layout: CollectionLayout, name: str) -> int | None:
 def _state_axes(layout: CollectionLayout, name: str) -> Any:
     """The mesh axes a dynamic table's remap state splits over: its stack's rows', or None
     (whole on every device: replicated, or table-wise)."""
-    if table_rows_at(layout, name) is not None:
+    if layout.state_shards(name) == 1:
         return None
     return (*layout.stack_of(name).spec, None)[0]
-
-
-def _weight_spec(layout: CollectionLayout, name: str) -> Any:
-    """The layout `rows_for` reads the state's split from: the stack's, or whole."""
-    return P() if table_rows_at(layout, name) is not None else layout.stack_of(name).spec
 
 
 def init_states(layout: CollectionLayout, *, mesh: Any = None) -> dict[str, DynamicState]:
@@ -284,7 +279,7 @@ def read_rows(
         for f in (f for f in layout.features if f.table == t.name):
             ids, finish, _ = _split(f.name, batch[f.name])
             rows = rows_for(t.dynamic, remaps[t.name], ids, impl=impl, mesh=mesh,
-                            weight_spec=_weight_spec(layout, t.name),
+                            weight_spec=P(_state_axes(layout, t.name)),
                             check_ids=check_ids)  # fmt: skip
             batch[f.name] = finish(jnp.where(rows == t.dynamic.capacity, -1, rows))
     return batch

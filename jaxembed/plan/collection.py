@@ -519,7 +519,7 @@ def _assemble(ctx, best: LayoutCost, budget, reasons, tables) -> CollectionPlan:
             row_sharding=p.row_sharding, stack=layout.stacks[p.stack].name, exchange=exchange,
             wire_bytes=wire, modelled_ms=ms, memory_bytes=best.table_bytes[t.name],
             reason=reasons.get(t.name, "fixed by its config")
-            + _dynamic_note(t, 1 if p.placement == "table" else layout.stacks[p.stack].num_shards),
+            + _dynamic_note(t, layout.state_shards(t.name)),
         ))  # fmt: skip
     routes = any(c.exchange == "routed" for c in best.calls)
     stats = ctx.stats

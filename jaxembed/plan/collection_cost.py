@@ -200,17 +200,24 @@ def _option_of(ctx: Context, stack: Stack, weighted: bool, p: EmbeddingPlan, c) 
     )  # fmt: skip
 
 
-def _other_pool(ctx: Context, x_shape, stack: Stack, num_bags: int, combiner: str,
-                dense: bool, weighted: bool, routed: _Option) -> _Option | None:  # fmt: skip
-    """The routed option pooled the other way (at the source where the plan pooled at the
-    owner, and back), or None where the call pools nothing (cached like the options)."""
+def _call_key(x_shape, stack: Stack, num_bags: int, combiner: str, dense: bool,
+              weighted: bool) -> tuple:  # fmt: skip
+    """What a call's plans depend on (`ctx.plans`' key): layouts with the same stack shape
+    and calls share them."""
+    return (x_shape, stack.shape, stack.spec, num_bags, combiner, stack.dtype, dense, weighted)
+
+
+def _other_pool(ctx: Context, call: tuple, routed: _Option) -> _Option | None:
+    """The routed option of `call` (`_options`' arguments) pooled the other way (at the
+    source where the plan pooled at the owner, and back), or None where the call pools
+    nothing (cached like the options)."""
     if routed.plan.routed is None or not routed.plan.routed.pool_costs:
         return None
     pool = "source" if routed.plan.routed.pooled_at_owner else "owner"
-    key = (x_shape, stack.shape, stack.spec, num_bags, combiner, stack.dtype, dense, weighted,
-           pool)  # fmt: skip
+    key = (*_call_key(*call), pool)
     if key not in ctx.plans:
-        p = _call_plan(ctx, x_shape, stack, num_bags, combiner, dense, weighted, "routed", pool)
+        _, stack, _, _, _, weighted = call
+        p = _call_plan(ctx, *call, "routed", pool)
         (c,) = [c for c in p.candidates if c.name == "routed"]
         ctx.plans[key] = _option_of(ctx, stack, weighted, p, c)
     return ctx.plans[key]
@@ -219,7 +226,7 @@ def _other_pool(ctx: Context, x_shape, stack: Stack, num_bags: int, combiner: st
 def _options(
     ctx: Context, x_shape, stack: Stack, num_bags: int, combiner: str, dense: bool, weighted: bool
 ):
-    key = (x_shape, stack.shape, stack.spec, num_bags, combiner, stack.dtype, dense, weighted)
+    key = _call_key(x_shape, stack, num_bags, combiner, dense, weighted)
     if key in ctx.plans:
         return ctx.plans[key]
 
@@ -549,8 +556,7 @@ def evaluate(
             used += held * (row_bytes + state_row)
             table_bytes[name] = int(held.max() * (row_bytes + state_row))
             if by_table[name].dynamic is not None:  # the remap's state, split with the rows
-                whole = layout.placement(name).placement == "table"  # (table-wise: whole)
-                remap = by_table[name].dynamic.shard(1 if whole else stack.num_shards).state_bytes
+                remap = by_table[name].dynamic.shard(layout.state_shards(name)).state_bytes
                 allocated, used = allocated + remap, used + remap
                 table_bytes[name] += remap
         members = [f for f in features if layout.placement(f.table).stack == stack.index]
@@ -569,9 +575,8 @@ def evaluate(
                     num_bags = sum(1 if f.pooled else (f.max_ids or 1) for f in group)
                     x_shape = (ctx.batch_size, per_slot)
                 weighted = _weighted(combiner, group)
-                options = _options(
-                    ctx, x_shape, stack, num_bags, combiner, width is not None, weighted
-                )
+                call = (x_shape, stack, num_bags, combiner, width is not None, weighted)
+                options = dict(_options(ctx, *call))  # a copy: the cache keeps the plan's own
                 ids_of: dict[str, float] = {}
                 for f in group:
                     ids_of[f.table] = ids_of.get(f.table, 0.0) + ctx.mean_ids(f)
@@ -583,20 +588,7 @@ def evaluate(
                     costs[name] = o.ms
                     if name == "routed" and "none" in options:
                         why = _routed_overflow(ctx, o, stack, ids_of, layout, by_table, per_slot)
-                        other = (
-                            _other_pool(
-                                ctx,
-                                x_shape,
-                                stack,
-                                num_bags,
-                                combiner,
-                                width is not None,
-                                weighted,
-                                o,
-                            )
-                            if why
-                            else None
-                        )
+                        other = _other_pool(ctx, call, o) if why else None
                         if other is not None and not _routed_overflow(
                             ctx, other, stack, ids_of, layout, by_table, per_slot
                         ):  # pooled the other way, it fits: a hot id is one id at the source
