@@ -316,8 +316,9 @@ def test_a_hot_id_overflows_the_owners_slots_not_the_sources_distinct_ids():
     (call,) = plan.calls  # routed beats the gather here, but not pooled at the owner
     assert call.exchange == "routed" and call.routed_pool == "source", call.note
     assert not call.plan.routed.pooled_at_owner
-    assert "id slots" in call.note and "pooled at the source, it fits" in call.note
-    assert plan.exchanges == {0: "routed:source"}
+    assert "id slots" in call.note and "pooled at the source, capacity" in call.note
+    # ... sized for the distinct ids its owners expect (`tests/test_routed_sized.py`)
+    assert plan.exchanges == {0: f"routed:source:{call.capacity_factor:g}"}
     # the same collection, its plan's exchanges as given: the source-pooled route equals the
     # gather exchange (values and update), which the collection tests check against float64
     mesh = jax.make_mesh((8,), ("model",))
@@ -328,8 +329,8 @@ def test_a_hot_id_overflows_the_owners_slots_not_the_sources_distinct_ids():
     ids = jax.device_put(jnp.asarray(batch()["clicked"][:64], jnp.int32),
                          NamedSharding(mesh, P("model")))  # fmt: skip
     out = {e: collection_lookup(layout, {0: table}, {"clicked": ids}, exchange={0: e})
-           for e in ("rows", "routed:source", "routed:owner")}  # fmt: skip
-    for e in ("routed:source", "routed:owner"):
+           for e in ("rows", "routed:source", "routed:owner", plan.exchanges[0])}  # fmt: skip
+    for e in ("routed:source", "routed:owner", plan.exchanges[0]):
         np.testing.assert_allclose(out[e]["clicked"], out["rows"]["clicked"], rtol=1e-6,
                                    atol=1e-6, err_msg=e)  # fmt: skip
 

@@ -110,19 +110,23 @@ def _features(w: W.Workload) -> list[Any]:
 
 def _replan(call: Any, mesh: Any, name: str) -> Any:
     """`call`'s plan forced to exchange `name`, with the arguments the collection's cost
-    model plans it with (`collection_cost._options`)."""
+    model plans it with (`collection_cost._options`; its routed call's pooling and capacity
+    where the planner chose them, `_routed_choice`)."""
     from jax.sharding import PartitionSpec as P
 
     from jaxembed.plan.lookup import plan_embedding_bag
 
     p = call.plan
     dense = p.bag.form == "dense"
+    own = name == "routed" == call.exchange
     return plan_embedding_bag(
         mesh, p.x_shape, p.weight_shape, num_bags=None if dense else p.bag.num_bags,
         combiner=p.bag.combiner, weighted=p.bag.weighted, x_spec=p.x_spec,
         lengths_spec=None if dense else P(), weights_spec=p.x_spec if p.bag.weighted else None,
         weight_spec=p.weight_spec, dtype=p.dtype, exchange="rows" if name == "none" else name,
         update=True, backend=p.backend, optimizer_slots=(True,),  # row-wise Adagrad
+        routed_pool=call.routed_pool if own else "auto",
+        capacity_factor=call.capacity_factor if own else None,
     )  # fmt: skip
 
 

@@ -11,6 +11,7 @@ devices: the bags split over it, every table's rows split over it.
 | `jaxembed[xla]` | the same, `impl="xla"` | the same, `impl="xla"` |
 | `jaxembed[rows]` | the same, `exchange="rows"` | the same, `exchange="rows"` |
 | `jaxembed[mod]` | `jaxembed` with mod rows (`row_sharding="mod"`, each table rotated) | the same |
+| `jaxembed[mod-planned]` | `jaxembed[mod]`, exchanges: `plan_collection` (`id_stats`) | the same |
 | `jaxembed[routed]` | the same, `exchange="routed"` (each id to its owner) | the same |
 | `jaxembed[routed,mod]` | `jaxembed[routed]` with mod rows | the same |
 | `jaxembed[table]`, `[columns]` | every table `"table"` (table-wise), or `"columns"` | the same |
@@ -52,6 +53,7 @@ VARIANTS = (
     "jaxembed[xla]",
     "jaxembed[rows]",
     "jaxembed[mod]",
+    "jaxembed[mod-planned]",
     "jaxembed[routed]",
     "jaxembed[routed,mod]",
     "jaxembed[table]",
@@ -186,12 +188,12 @@ def _jaxembed(workload: W.Workload, n: int, lr: float, eps: float, *, impl: str,
     mesh = _mesh(n, AxisType.Explicit, devices)
     placement = {"jaxembed[auto]": "auto", "jaxembed[table]": "table",
                  "jaxembed[columns]": "columns"}.get(name, "rows")  # fmt: skip
-    rows_by = "mod" if name.endswith("mod]") else "block"  # mod: a Zipf's hot rows spread
+    rows_by = "mod" if "mod" in name else "block"  # mod: a Zipf's hot rows spread
     tables = [TableConfig(t.name, t.rows, t.dim, placement=placement, row_sharding=rows_by)
               for t in workload.tables]  # fmt: skip
     features = [FeatureConfig(f.name, f.table, max_ids=f.max_ids) for f in workload.features]
     placements = None
-    if placement == "auto" and n > 1:  # one device: nothing to place
+    if (placement == "auto" or name.endswith("planned]")) and n > 1:  # one device: no plan
         from jaxembed.plan.idstats import id_stats
 
         # As a user would: the planner measures a few batches of the ids it will see.

@@ -417,7 +417,8 @@ def collection_lookup(
             vocab_size=stack.shape[0], mesh=mesh, x_spec=ids_spec,
             weight_spec=_weight_spec(stack, where),
             exchange=stack_exchange(exchange, layout, group.stack),
-            capacity_factor=capacity_factor, impl=impl, combiner=group.combiner, check_ids=False,
+            capacity_factor=_capacity_factor(capacity_factor, exchange, group.stack), impl=impl,
+            combiner=group.combiner, check_ids=False,
             function="EmbeddingBagCollection", ids_advice=IDS_ADVICE,
             routed_pool=_routed_pool(routed_pool, group.combiner, exchange, group.stack),
         )  # fmt: skip
@@ -668,7 +669,7 @@ def collection_update(
                 per_id_weights=weights, combiner=group.combiner, vocab_size=stack.shape[0],
                 mesh=mesh, x_spec=ids_spec, weight_spec=_weight_spec(stack, where),
                 exchange=stack_exchange(exchange, layout, group.stack),
-                capacity_factor=capacity_factor, impl=impl,
+                capacity_factor=_capacity_factor(capacity_factor, exchange, group.stack), impl=impl,
                 routed_pool=_routed_pool(routed_pool, group.combiner, exchange, group.stack),
                 return_stats=return_stats,
             )  # fmt: skip
@@ -689,10 +690,26 @@ def _add_update_stats(total: UpdateStats | None, call: UpdateStats) -> UpdateSta
     return UpdateStats(fallback, total.rows + call.rows)
 
 
+def _capacity_factor(capacity_factor: float | None, exchange: Any, stack: int) -> float | None:
+    """A call's routed `capacity_factor`: the plan's for its stack (a `CollectionPlan`'s
+    exchange `"routed:source:0.0789"`, sized from the sampled ids), else the one asked for."""
+    parts = _requested(exchange, stack).split(":")
+    if len(parts) < 3:
+        return capacity_factor
+    try:
+        return float(parts[2])
+    except ValueError:
+        raise ValueError(
+            f"stack {stack}: exchange {':'.join(parts)!r} ends in {parts[2]!r}, not a capacity "
+            "factor: a plan's exchange is 'routed:<pool>:<factor>', e.g. 'routed:source:0.08'"
+        ) from None
+
+
 def _routed_pool(routed_pool: str, combiner: str, exchange: Any, stack: int) -> str:
     """A call's `routed_pool`: the plan's for its stack (a `CollectionPlan`'s exchange
-    `"routed:source"` or `"table+routed:source"`, where pooling at the owner would overflow),
-    else the one asked for; a max-pooled call has no partial sums to pool at the owner."""
+    `"routed:source"` or `"table+routed:source"`, where pooling at the owner would overflow
+    or costs more), else the one asked for; a max-pooled call has no partial sums to pool
+    at the owner."""
     requested = _requested(exchange, stack)
     if ":" in requested:
         routed_pool = requested.split(":")[1]

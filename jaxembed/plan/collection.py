@@ -141,13 +141,18 @@ class CollectionPlan:
         (`"auto"` decides it); `"none"` runs as `"rows"` (nothing to exchange); `"table"`
         is the table-wise exchange (`jaxembed.kernels.tablewise`), and `"table+X"` a stack
         whose table-wise call is planned so and whose other call runs X. A routed call the
-        planner pools where the plan alone would not says so: `"routed:source"` (pooled at
-        the owner, the sample's hot ids would overflow the owner's places every step)."""
+        planner pools or sizes where the plan alone would not says so: `"routed:source"`
+        (pooled at the owner, the sample's hot ids would overflow the owner's places every
+        step), `"routed:source:0.0789"` (and its capacity factor, `capacity_factor=` of
+        the lookup: sized for the distinct ids the owners expect from the sample, not for
+        every slot holding a distinct id)."""
         by_stack: dict[int, set[str]] = {}
         for call in self.calls:
             exchange = "rows" if call.exchange == "none" else call.exchange
-            if call.routed_pool != "auto":  # the planner's pooling: pooled the other way
-                exchange += f":{call.routed_pool}"  # a hot id's slots overflow an owner
+            if call.routed_pool != "auto":  # the planner's pooling (and capacity)
+                exchange += f":{call.routed_pool}"
+            if call.capacity_factor is not None:
+                exchange += f":{call.capacity_factor:g}"
             by_stack.setdefault(call.stack, set()).add(exchange)
         out = {}
         for s, e in sorted(by_stack.items()):

@@ -23,7 +23,13 @@ lookup passes them (`jaxembed.kernels.collection.needs_factors`). Each call is p
              and exchange buffers.
 
 The routed exchange is charged its exact fallback (the gather path) when the busiest
-owner's expected distinct ids exceed its static capacity: then nearly every step falls back.
+owner's expected distinct ids (pooled at the owner: id slots) exceed its static capacity:
+then nearly every step falls back. Where it fits, it is sized: the capacity shrinks to what
+the busiest owner expects from the sampled ids (`id_stats`: each id's slot count gives its
+chance to be in a device's share of the batch), with the default's margin, and never above
+the rows that owner holds; the plan's exchange carries the factor
+(`"routed:source:0.0794"`). A batch's ids repeat, so a device sends an owner far fewer distinct ids than slots, and the
+buffers shrink with them (the DLRM tables by mod rows on 8 devices: 2 643 places an owner instead of 34 011).
 """
 
 from __future__ import annotations
@@ -169,8 +175,10 @@ def _weighted(combiner: str, group: Sequence[FeatureConfig]) -> bool:
 
 
 def _call_plan(ctx: Context, x_shape, stack: Stack, num_bags: int, combiner: str,
-               dense: bool, weighted: bool, exchange: str, routed_pool: str = "auto"):  # fmt: skip
-    """The `EmbeddingPlan` of one call of the stack with `exchange` (and `routed_pool`)."""
+               dense: bool, weighted: bool, exchange: str, routed_pool: str = "auto",
+               capacity_factor: float | None = None):  # fmt: skip
+    """The `EmbeddingPlan` of one call of the stack with `exchange` (and `routed_pool`, and
+    the routed exchange's `capacity_factor`)."""
     return plan_embedding_bag(
         ctx.mesh, x_shape, stack.shape, num_bags=None if dense else num_bags,
         combiner=combiner, weighted=weighted, x_spec=ctx.x_spec,
@@ -178,6 +186,7 @@ def _call_plan(ctx: Context, x_shape, stack: Stack, num_bags: int, combiner: str
         weights_spec=ctx.x_spec if weighted else None, weight_spec=stack.spec,
         dtype=stack.dtype, exchange=exchange, update=ctx.update, backend=ctx.constants.backend,
         optimizer_slots=ctx.state_slots, routed_pool=routed_pool,
+        capacity_factor=capacity_factor,
     )  # fmt: skip
 
 
@@ -207,17 +216,13 @@ def _call_key(x_shape, stack: Stack, num_bags: int, combiner: str, dense: bool,
     return (x_shape, stack.shape, stack.spec, num_bags, combiner, stack.dtype, dense, weighted)
 
 
-def _other_pool(ctx: Context, call: tuple, routed: _Option) -> _Option | None:
-    """The routed option of `call` (`_options`' arguments) pooled the other way (at the
-    source where the plan pooled at the owner, and back), or None where the call pools
-    nothing (cached like the options)."""
-    if routed.plan.routed is None or not routed.plan.routed.pool_costs:
-        return None
-    pool = "source" if routed.plan.routed.pooled_at_owner else "owner"
-    key = (*_call_key(*call), pool)
+def _routed_variant(ctx: Context, call: tuple, pool: str, factor: float | None) -> _Option:
+    """The routed option of `call` (`_options`' arguments) pooled at `pool` (`"owner"` or
+    `"source"`) with capacity `factor` (None: the plan's default), cached like the options."""
+    key = (*_call_key(*call), pool, factor)
     if key not in ctx.plans:
         _, stack, _, _, _, weighted = call
-        p = _call_plan(ctx, *call, "routed", pool)
+        p = _call_plan(ctx, *call, "routed", pool, factor)
         (c,) = [c for c in p.candidates if c.name == "routed"]
         ctx.plans[key] = _option_of(ctx, stack, weighted, p, c)
     return ctx.plans[key]
@@ -345,7 +350,9 @@ class CallCost:
         `batch · F_o · L` (0 for the other exchanges: their plan's candidates count them).
       routed_pool: a routed call's pooling where the planner chose it against the plan's
         own choice (`"source"`: pooled at the owner, a hot id's slots would overflow the
-        owner's capacity), else `"auto"`.
+        owner's capacity, or it costs more once sized), or sized it, else `"auto"`.
+      capacity_factor: a routed call's capacity factor where the planner sized it from
+        the ids (`_routed_choice`), else None.
       fallback_forward_bytes, fallback_update_bytes: (properties) the routed fallback's.
     """
 
@@ -369,6 +376,7 @@ class CallCost:
     ids_again_bytes: float = 0.0
     owner_slots: int = 0
     routed_pool: str = "auto"
+    capacity_factor: float | None = None
 
     @property
     def wire_bytes(self) -> float:
@@ -459,33 +467,126 @@ def _pool_of(option: _Option) -> str:
     return "owner" if option.plan.routed.pooled_at_owner else "source"
 
 
-def _routed_overflow(ctx, option, stack, calls_tables, layout, by_table, per_slot) -> str:
-    """Why the routed exchange's busiest owner overflows its capacity, or "": the distinct
-    ids it receives from a device, or, pooled at the owner, the slots (a hot id's slots all
-    go to one owner)."""
-    routed = option.plan.routed
-    slots = routed.pooled_at_owner
-    b_dev = routed.slots / per_slot
+def _bucket_of_shard(ctx: Context, stack: Stack, routed) -> np.ndarray:
+    """Per row shard of the stack, the routed bucket (owner position along S) it is in."""
     row_axes = list(stack.row_axes)
     coords = np.indices([ctx.sizes[a] for a in row_axes]).reshape(len(row_axes), -1)
     bucket = np.zeros(coords.shape[1], np.int64)
     for a in routed.axes:
         bucket = bucket * ctx.sizes[a] + coords[row_axes.index(a)]
+    return bucket
+
+
+def _present(ctx: Context, t: TableConfig, layout: CollectionLayout, stack: Stack,
+             examples: float, ids_per_example: float) -> np.ndarray | None:  # fmt: skip
+    """Per row shard, the distinct ids of `t` that a device holding `examples` of the batch
+    sends it, from the sample's slot counts: an id filling k of a sampled batch's slots is
+    in a device's share p of the examples with probability 1 - (1 - p)^k. None without
+    counts (then `distinct_draws` of the duplication model)."""
+    s = ctx.stats
+    samples, counts = (s.samples.get(t.name, ()), s.counts.get(t.name, ())) if s else ((), ())
+    if not counts or not s.batch_size or not s.ids_per_batch.get(t.name):
+        return None
+    p = layout.placement(t.name)
+    k = len(p.shards)
+    share = min(1.0, examples / s.batch_size)
+    scale = ids_per_example * s.batch_size / s.ids_per_batch[t.name]  # the call's part
+    loads = []
+    for ids, count in zip(samples, counts, strict=False):
+        keep = ids < t.vocab_size
+        ids, count = ids[keep], count[keep] * scale
+        present = -np.expm1(count * math.log1p(-share)) if share < 1 else np.ones(ids.shape)
+        if k == 1:
+            owner = np.zeros(ids.shape, np.int64)
+        elif p.row_sharding == "mod":
+            owner = (ids + p.rotation) % k
+        else:
+            owner = ids // p.rows_per_shard
+        loads.append(np.bincount(owner, weights=present, minlength=k)[:k])
+    if not loads:
+        return None
+    out = np.zeros(max(stack.num_shards, 1))
+    out[list(p.shards)] = np.mean(loads, axis=0)
+    return out
+
+
+def _owner_loads(ctx, option, stack, calls_tables, layout, by_table, per_slot):
+    """Per routed bucket, what a device expects to send it in a step, and at most how much
+    it can: `(expected, bound)`. Pooled at the owner, id slots (a hot id's slots all go to
+    one owner; no bound but the capacity); else distinct ids, bounded by the rows the
+    owner holds of the call's tables."""
+    routed = option.plan.routed
+    slots = routed.pooled_at_owner
+    b_dev = routed.slots / per_slot  # examples a device holds
+    bucket = _bucket_of_shard(ctx, stack, routed)
     load = np.zeros(routed.num_buckets)
+    held = np.zeros(routed.num_buckets)
     for name, ids_per_example in calls_tables.items():
         t = by_table[name]
         sent = b_dev * ids_per_example
-        if not slots:
-            sent = distinct_draws(sent, ctx.vocab_eff(t))
-        np.add.at(load, bucket, sent * _shares(ctx, t, layout, stack, slots=slots))
-    busiest = float(load.max())
-    if busiest <= routed.capacity:
-        return ""
-    what = "id slots" if slots else "distinct ids"
-    return (
-        f"routed would overflow: its busiest owner expects {busiest:.0f} {what} per "
-        f"device, over its capacity {routed.capacity}, so it would run its fallback"
-    )
+        present = None if slots else _present(ctx, t, layout, stack, b_dev, ids_per_example)
+        if present is None:
+            if not slots:
+                sent = distinct_draws(sent, ctx.vocab_eff(t))
+            present = sent * _shares(ctx, t, layout, stack, slots=slots)
+        np.add.at(load, bucket, present)
+        np.add.at(held, bucket, _held_rows(layout, t, stack, np.arange(len(bucket))))
+    return load, (np.full_like(held, np.inf) if slots else held)
+
+
+def _routed_choice(ctx, call, option, stack, calls_tables, layout, by_table, per_slot):
+    """The routed option to price for `call`: `(option, pool, factor, why)`, `option` None
+    where every pooling's busiest owner overflows its capacity (`why` says so).
+
+    Each pooling the plan weighed (at the owner: slots; at the source: distinct ids) is
+    sized for what its busiest owner expects from the sample, `x + 4√x + 1` (the default
+    capacity's bound on `x`, see `capacity_for`; without a sample, the default), and never
+    for more than the rows that owner holds (a device cannot send it more distinct ids):
+    the capacity factor goes to the plan, whose buffers then shrink to fit. The cheapest
+    that fits is kept; `pool` is `"auto"` and `factor` None where that is the plan's own."""
+    own = _pool_of(option)
+    pools = ("owner", "source") if option.plan.routed.pool_costs else (own,)
+    fitting, why = [], []
+    for pool in pools:
+        base = option if pool == own else _routed_variant(ctx, call, pool, None)
+        routed = base.plan.routed
+        load, bound = _owner_loads(ctx, base, stack, calls_tables, layout, by_table, per_slot)
+        busiest = float(load.max(initial=0.0))
+        if busiest > routed.capacity:
+            what = "id slots" if routed.pooled_at_owner else "distinct ids"
+            why.append(f"pooled at the {pool}, its busiest owner expects {busiest:.0f} {what} "
+                       f"per device, over its capacity {routed.capacity}")  # fmt: skip
+            continue
+        # without a sample only the rows an owner holds bound what it receives
+        expect = load + 4 * np.sqrt(load) + 1 if ctx.stats is not None else routed.capacity
+        need = float(np.max(np.minimum(expect, bound), initial=1.0))
+        mean = routed.slots / routed.num_buckets
+        factor = _round_up(max(need, 1.0) / mean) if mean else None
+        if factor is not None and math.ceil(factor * mean) > _SIZED * routed.capacity:
+            factor = None  # not much tighter than the plan's own: keep its
+        sized = base if factor is None else _routed_variant(ctx, call, pool, factor)
+        fitting.append((sized.ms, pool, factor, sized))
+    if not fitting:
+        why = "; ".join(why)
+        return None, own, None, f"routed would overflow: {why}, so it would run its fallback"
+    _, pool, factor, sized = min(fitting, key=lambda f: (f[0], f[3].wire_bytes))
+    if pool == own and factor is None:
+        return sized, "auto", None, ""
+    note = "; ".join([*why, f"pooled at the {pool}, capacity {sized.plan.routed.capacity} "
+                            "from the ids"])  # fmt: skip
+    return sized, pool, factor, note
+
+
+_SIZED = 0.8
+"""A routed call is sized from the ids only where that shrinks its capacity by a fifth or
+more (else its plan keeps the default, and its exchange stays plain)."""
+
+
+def _round_up(x: float) -> float:
+    """`x` rounded up to 3 significant digits (a capacity factor a plan's exchange carries
+    as text, `"routed:source:0.0789"`, and reads back exactly)."""
+    e = math.floor(math.log10(x)) - 2
+    return float(f"{math.ceil(round(x / 10.0**e, 9))}e{e}")
 
 
 def _row_bytes(ctx: Context, stack: Stack, h_local: int) -> int:
@@ -583,21 +684,19 @@ def evaluate(
                 if table_wise:  # the call of the table-placed features: table-wise only
                     options = {"table": _tablewise_option(ctx, layout, stack, group, width,
                                                           weighted, options)}  # fmt: skip
-                costs, notes, repooled = {}, {}, "auto"
+                costs, notes, repooled, factor = {}, {}, "auto", None
                 for name, o in list(options.items()):
                     costs[name] = o.ms
                     if name == "routed" and "none" in options:
-                        why = _routed_overflow(ctx, o, stack, ids_of, layout, by_table, per_slot)
-                        other = _other_pool(ctx, call, o) if why else None
-                        if other is not None and not _routed_overflow(
-                            ctx, other, stack, ids_of, layout, by_table, per_slot
-                        ):  # pooled the other way, it fits: a hot id is one id at the source
-                            options[name], costs[name] = other, other.ms
-                            repooled = _pool_of(other)
-                            notes[name] = f"{why}; pooled at the {repooled}, it fits"
-                        elif why:  # the flag's all-reduce, then the gather path
-                            costs[name] = options["none"].ms + ctx.constants.latency_s * 1e3
+                        sized, pool, f, why = _routed_choice(ctx, call, o, stack, ids_of, layout,
+                                                             by_table, per_slot)  # fmt: skip
+                        if why:
                             notes[name] = why
+                        if sized is None:  # the flag's all-reduce, then the gather path
+                            costs[name] = options["none"].ms + ctx.constants.latency_s * 1e3
+                        else:
+                            options[name], costs[name] = sized, sized.ms
+                            repooled, factor = pool, f
                 best = min(options, key=lambda n: (costs[n], options[n].wire_bytes))
                 o = options[best]
                 rows = np.zeros(n_dev)
@@ -624,6 +723,7 @@ def evaluate(
                     options=tuple((n, costs[n]) for n in options),
                     note="; ".join(notes.values()), ids_again_bytes=o.ids_again_bytes,
                     owner_slots=o.owner_slots, routed_pool=repooled if best == "routed" else "auto",
+                    capacity_factor=factor if best == "routed" else None,
                 ))  # fmt: skip
     buffers = sum(c.activation_bytes for c in calls) + max(
         (c.transient_bytes for c in calls), default=0
