@@ -28,8 +28,9 @@ then nearly every step falls back. Where it fits, it is sized: the capacity shri
 the busiest owner expects from the sampled ids (`id_stats`: each id's slot count gives its
 chance to be in a device's share of the batch), with the default's margin, and never above
 the rows that owner holds; the plan's exchange carries the factor
-(`"routed:source:0.0794"`). A batch's ids repeat, so a device sends an owner far fewer distinct ids than slots, and the
-buffers shrink with them (the DLRM tables by mod rows on 8 devices: 2 643 places an owner instead of 34 011).
+(`"routed:source:0.0794"`). A batch's ids repeat, so a device sends an owner far fewer
+distinct ids than slots, and the buffers shrink with them (the DLRM tables by mod rows on 8
+devices: 2 643 places an owner instead of 34 011).
 """
 
 from __future__ import annotations
