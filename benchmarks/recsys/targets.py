@@ -19,6 +19,7 @@ __all__ = ["SCALE_OUT", "targets"]
 SCALE_OUT = (
     ("jaxembed[auto]", 1.3, "the placements placements='auto' picks"),
     ("jaxembed", 1.5, "every table by rows"),
+    ("jaxembed[planned]", 1.5, "every table by rows, the planner's exchanges"),
     ("jaxembed[mod]", 1.5, "every table by mod rows"),
     ("jaxembed[mod-planned]", 1.5, "every table by mod rows, the planner's exchanges"),
     ("jaxembed[rows]", 1.5, "every table by rows, the gather exchange"),

@@ -573,8 +573,8 @@ def _routed_choice(ctx, call, option, stack, calls_tables, layout, by_table, per
     _, pool, factor, sized = min(fitting, key=lambda f: (f[0], f[3].wire_bytes))
     if pool == own and factor is None:
         return sized, "auto", None, ""
-    note = "; ".join([*why, f"pooled at the {pool}, capacity {sized.plan.routed.capacity} "
-                            "from the ids"])  # fmt: skip
+    fit = f"capacity {sized.plan.routed.capacity} from the ids" if factor else "it fits"
+    note = "; ".join([*why, f"pooled at the {pool}, {fit}"])
     return sized, pool, factor, note
 
 
