@@ -47,9 +47,11 @@ def test_bags_and_row_sparse_updates_match_the_reference_on_every_process():
     # layouts x exchanges (rows: 4, routed: 2) x impls x processes
     assert len(set(oks)) == len(oks) == 6 * len(impls) * 2
     # The collections (table-wise, mod rows routed and pooled at the source or the owner,
-    # block rows gathered): each process checked its shards, for each kernel impl.
+    # or with a plan's capacity factor, block rows gathered): each process checked its
+    # shards, for each kernel impl.
     found = set(re.findall(r"^\[p(\d)\] COLLECTION OK (\S+) (\S+) process (\d)$", out, re.M))
-    names = ("tablewise", "mod-routed", "mod-routed-owner-pooled", "block-gathered")
+    names = ("tablewise", "mod-routed", "mod-routed-owner-pooled", "mod-routed-sized",
+             "block-gathered")  # fmt: skip
     want = {(p, name, impl, p) for p in "01" for name in names for impl in impls}
     assert found == want, out[-3000:]
 

@@ -106,6 +106,7 @@ COLLECTIONS = {
     "tablewise": ("table", "block", "auto", "auto"),
     "mod-routed": ("rows", "mod", "routed", "source"),
     "mod-routed-owner-pooled": ("rows", "mod", "routed", "owner"),
+    "mod-routed-sized": ("rows", "mod", "routed:source:0.6", "auto"),  # a plan's: C = 3
     "block-gathered": ("rows", "block", "auto", "auto"),
 }
 
@@ -113,8 +114,9 @@ COLLECTIONS = {
 def collection(mesh, impl, name):
     """Four tables read by five pooled features on the 8 devices of two processes, placed and
     exchanged as `COLLECTIONS[name]` says (table-wise: each feature's ids sent to the one
-    device that holds its table; mod rows routed, pooled at the source or at the owner; block
-    rows gathered): outputs, updated tables and accumulators against float64."""
+    device that holds its table; mod rows routed, pooled at the source or at the owner, or
+    at the source with a plan's capacity factor; block rows gathered): outputs, updated
+    tables and accumulators against float64."""
     from jaxembed.collection import (
         FeatureConfig,
         TableConfig,
@@ -188,6 +190,9 @@ def collection(mesh, impl, name):
         "block-gathered": batch * width * len(features),
         "mod-routed": batch // 8 * width * len(features),
     }.get(name)
+    if name == "mod-routed-sized":  # 3 places an owner: routed, or (overflowing) gathered
+        routed, gathered = batch // 8 * width * len(features), batch * width * len(features)
+        want = routed if walked.tolist() == [routed] * 8 else gathered
     if name == "mod-routed-owner-pooled":
         # Each owner walks what it received (8 sources' capacities) and reads each slot that
         # names a row once.
