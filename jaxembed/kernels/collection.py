@@ -383,7 +383,10 @@ def collection_lookup(
       mesh: the mesh (default the stacks' own or `jax.set_mesh`'s).
       x_spec: the dense ids' layout where it cannot be read (e.g. `P("data")`).
       exchange, capacity_factor, impl: as in `jaxembed.embedding_bag`, for every call
-        (`exchange` may be a mapping from stack index to exchange).
+        (`exchange` may be a mapping from stack index to exchange, e.g. a
+        `CollectionPlan.exchanges`, whose routed stacks may say their pooling and capacity
+        factor, `"routed:source:0.0794"`: those win over `routed_pool` and
+        `capacity_factor` for that stack).
       return_stats: also return each stack's `LookupStats`: the routed exchange's fallback
         and every device's slots walked and rows read, summed over the stack's calls.
       routed_pool: where the routed exchange pools the sum-like calls (`"auto"`, `"source"`,
