@@ -448,7 +448,8 @@ def markdown(record: dict[str, Any]) -> str:
         "buckets of capacity C send it (`plan.routed`); **slots/(G/n)**: against a perfect "
         "split; **C (n·C)**: the routed capacity per call, C = μ + 4√μ + 1 with μ = M/n (less"
         " where the planner sized the call: no owner is sent more distinct ids than the rows "
-        "it holds of the call's tables), and n·C; **step ms**: the collection's modelled step with that exchange in every call "
+        "it holds of the call's tables), and n·C; **step ms**: the collection's modelled step "
+        "with that exchange in every call "
         f"(the `{cfg['backend']}` cost constants); **efficiency**: T(n₀)·n₀ / (n·T(n)), n₀ = "
         f"{min(cfg['devices'])}. \"(overflows)\": the model expects a routed bucket to overflow "
         "(its step is then the gather path's).", "",
