@@ -182,3 +182,33 @@ def test_a_plan_exchange_with_a_bad_factor_names_the_fix():
     with pytest.raises(ValueError, match=r"'routed:source:big'.*not a capacity factor"):
         collection_lookup(layout, {0: table}, batch, mesh=mesh,
                           exchange={0: "routed:source:big"})  # fmt: skip
+
+
+def test_the_nnx_collection_runs_the_planned_capacity():
+    """`EmbeddingBagCollection(placements=plan)` looks up with the plan's sized exchange."""
+    from flax import nnx
+
+    import jaxembed.nnx
+
+    rng = np.random.default_rng(3)
+    mesh, plan = planned(rng)
+    batch = {k: jax.device_put(v, NamedSharding(mesh, P("data", None)))
+             for k, v in zipf_batch(rng).items()}  # fmt: skip
+    with jax.set_mesh(mesh):
+        coll = jaxembed.nnx.EmbeddingBagCollection(TABLES, FEATURES, placements=plan,
+                                                   rngs=nnx.Rngs(0))  # fmt: skip
+        assert coll.exchange == plan.exchanges
+        graphdef, state = nnx.split(coll)
+        lookup = jax.jit(lambda s, b: nnx.merge(graphdef, s)(b))
+        out = lookup(state, batch)
+        text = lookup.lower(state, batch).compile().as_text()
+        tables = {k: np.asarray(v, np.float64) for k, v in coll.tables().items()}
+    c = plan.calls[0].plan.routed.capacity
+    shapes = [s for x in hlo.collectives(text) if x.kind == "all-to-all" for s in x.result_shape]
+    assert {(N, c), (1, c)} & set(shapes), (shapes, c)
+    got = {k: np.asarray(v) for k, v in out.items()}
+    ids = {k: np.asarray(v) for k, v in batch.items()}
+    for f in FEATURES:
+        want = embedding_bag_reference(tables[f.table], ids[f.name], combiner="sum",
+                                       vocab_size=tables[f.table].shape[0])  # fmt: skip
+        np.testing.assert_allclose(got[f.name], want, rtol=1e-5, atol=1e-5, err_msg=f.name)
