@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import jaxembed
 from jaxembed import hlo
 from jaxembed.collection import FeatureConfig, TableConfig, collection_update, layout_collection
+from jaxembed.kernels import native
 from jaxembed.kernels.collection import collection_lookup
 from jaxembed.optim import reference
 from jaxembed.plan.collection import plan_collection
@@ -101,11 +102,12 @@ def test_the_planner_sizes_the_route_for_the_distinct_ids_it_expects():
 
 
 def reference_step(tables, batch, cts, opt):
-    """Float64: each feature's pooled sum, and each table after one row-wise Adagrad step."""
+    """Float64: each feature's pooled sum, and each table and its accumulator after one
+    row-wise Adagrad step."""
     out = {f.name: embedding_bag_reference(tables[f.table], batch[f.name], combiner="sum",
                                            vocab_size=tables[f.table].shape[0])
            for f in FEATURES}  # fmt: skip
-    new = {}
+    new, accumulators = {}, {}
     for name, table in tables.items():
         ids, grads = [], []
         for f in FEATURES:
@@ -115,13 +117,17 @@ def reference_step(tables, batch, cts, opt):
                     ids.append(x[b, j])
                     grads.append(cts[f.name][b])
         states = reference.init_states(opt.formula, *table.shape)
-        new[name], _ = reference.sparse_step(opt.formula, table, states, np.asarray(ids),
-                                             np.asarray(grads), count=0)  # fmt: skip
-    return out, new
+        new[name], (accumulators[name],) = reference.sparse_step(
+            opt.formula, table, states, np.asarray(ids), np.asarray(grads), count=0
+        )
+    return out, new, accumulators
 
 
+@pytest.mark.parametrize("impl", ["native", "xla"])
 @pytest.mark.parametrize("sized", ["planned", "overflowing"])
-def test_a_sized_route_matches_float64_and_overflows_exactly(sized):
+def test_a_sized_route_matches_float64_and_overflows_exactly(sized, impl):
+    if impl == "native" and not native.available():
+        pytest.skip(f"native kernels unavailable: {native.why_unavailable()}")
     rng = np.random.default_rng(1)
     mesh, plan = planned(rng)
     exchange = dict(plan.exchanges)
@@ -139,22 +145,22 @@ def test_a_sized_route_matches_float64_and_overflows_exactly(sized):
     ids = {k: jax.device_put(v, NamedSharding(mesh, P("data", None))) for k, v in batch.items()}
     cts = {f.name: rng.normal(size=(B, 16)).astype(np.float32) for f in FEATURES}
     opt = jaxembed.optim.rowwise_adagrad(0.1)
-    kw = dict(mesh=mesh, exchange=exchange, return_stats=True)
+    kw = dict(mesh=mesh, exchange=exchange, return_stats=True, impl=impl)
 
     def step(stacks, states, ids, cts):
         out, looked = collection_lookup(layout, stacks, ids, **kw)
         stacks, states, updated = collection_update(layout, opt, stacks, states, ids, cts, **kw)
-        return out, stacks, looked, updated
+        return out, stacks, states, looked, updated
 
     with jax.set_mesh(mesh):
         states = {0: opt.init(table, mesh=mesh, weight_spec=stack.spec)}
         compiled = jax.jit(step).lower({0: table}, states, ids, cts).compile()
-        out, stacks, looked, updated = compiled({0: table}, states, ids, cts)
+        out, stacks, states, looked, updated = compiled({0: table}, states, ids, cts)
     (name,) = looked
     fell_back = sized == "overflowing"
     assert bool(looked[name].routed_fallback) == fell_back
     assert bool(updated[name].routed_fallback) == fell_back
-    want_out, want_tables = reference_step(host, batch, cts, opt)
+    want_out, want_tables, want_acc = reference_step(host, batch, cts, opt)
     for f in FEATURES:
         np.testing.assert_allclose(out[f.name], want_out[f.name], rtol=1e-5, atol=1e-5,
                                    err_msg=f.name)  # fmt: skip
@@ -164,6 +170,8 @@ def test_a_sized_route_matches_float64_and_overflows_exactly(sized):
                                                              stack.local_rows))  # fmt: skip
         np.testing.assert_allclose(got[rows], want_tables[t.name], rtol=1e-5, atol=1e-5,
                                    err_msg=t.name)  # fmt: skip
+        acc = np.asarray(states[0].slots["accumulator"])[rows]
+        np.testing.assert_allclose(acc, want_acc[t.name], rtol=1e-5, atol=1e-6, err_msg=t.name)
     # The all_to_all of ids carries the sized capacity: [n, C] a device.
     (call,) = plan.calls
     c = 1 if fell_back else call.plan.routed.capacity
@@ -203,9 +211,13 @@ def test_the_nnx_collection_runs_the_planned_capacity():
         out = lookup(state, batch)
         text = lookup.lower(state, batch).compile().as_text()
         tables = {k: np.asarray(v, np.float64) for k, v in coll.tables().items()}
-    c = plan.calls[0].plan.routed.capacity
+    (call,) = plan.calls
+    c = call.plan.routed.capacity
     shapes = [s for x in hlo.collectives(text) if x.kind == "all-to-all" for s in x.result_shape]
     assert {(N, c), (1, c)} & set(shapes), (shapes, c)
+    # the planned bytes are the compiled lookup's, its fallback compiled beside it (a cond)
+    want = call.forward_bytes + call.fallback_forward_bytes + call.out_move_bytes[0]
+    assert hlo.total_wire_bytes(text) == want
     got = {k: np.asarray(v) for k, v in out.items()}
     ids = {k: np.asarray(v) for k, v in batch.items()}
     for f in FEATURES:
