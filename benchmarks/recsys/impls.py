@@ -199,8 +199,10 @@ def _jaxembed(workload: W.Workload, n: int, lr: float, eps: float, *, impl: str,
 
         # As a user would: the planner measures a few batches of the ids it will see.
         sample = [dense_ids(workload, W.make_batch(workload, seed=1, step=i)) for i in range(2)]
+        # placements fixed (`[planned]`): only the exchanges are chosen, whatever they hold
+        budget = PLANNER_BUDGET if placement == "auto" else "1TiB"
         plan = jaxembed.plan_collection(tables, features, mesh, batch_size=workload.batch_size,
-                                        memory_per_device=PLANNER_BUDGET,
+                                        memory_per_device=budget,
                                         id_stats=id_stats(sample, features))  # fmt: skip
         placements, exchange = plan.placements, plan.exchanges
     layout = layout_collection(tables, features, mesh, placements)
