@@ -64,10 +64,11 @@ def busiest_owner(layout, batch, pooled_at_owner):
     slots (at the owner), counted in numpy from the layout's own row placement."""
     (stack,) = layout.stacks
     most = 0
+    size = len(next(iter(batch.values())))
     for d in range(N):
         rows = []
         for f in FEATURES:
-            ids = batch[f.name][d * B // N : (d + 1) * B // N]
+            ids = batch[f.name][d * size // N : (d + 1) * size // N]
             ids = ids[ids >= 0]
             rows.append(np.asarray(layout.placement(f.table).stack_ids(ids, stack.local_rows)))
         rows = np.concatenate(rows)
@@ -99,6 +100,23 @@ def test_the_planner_sizes_the_route_for_the_distinct_ids_it_expects():
                               backend="cpu")  # fmt: skip
     assert unsized.calls[0].capacity_factor is None
     assert call.forward_bytes < unsized.calls[0].forward_bytes
+
+
+def test_a_sample_smaller_than_a_devices_share_is_extrapolated():
+    """Sampled batches of 64 examples, a plan for 4096 (512 a device): a device sees more
+    distinct ids than a sampled batch holds, so the planner sizes from the duplication model
+    (which extrapolates), not from the sample's own ids; the real busiest owner fits."""
+    rng = np.random.default_rng(4)
+    stats = id_stats([zipf_batch(rng, 64) for _ in range(3)], FEATURES)
+    mesh = jax.make_mesh((N,), ("data",))
+    plan = plan_collection(TABLES, FEATURES, mesh, batch_size=4096, memory_per_device="1GiB",
+                           backend="cpu", id_stats=stats)  # fmt: skip
+    (call,) = plan.calls
+    assert call.exchange == "routed", call.note
+    layout = layout_collection(plan.table_configs, FEATURES, mesh)
+    most = max(busiest_owner(layout, zipf_batch(rng, 4096), call.plan.routed.pooled_at_owner)
+               for _ in range(2))  # fmt: skip
+    assert most <= call.plan.routed.capacity, (most, call.plan.routed.capacity, call.note)
 
 
 def reference_step(tables, batch, cts, opt):

@@ -483,14 +483,15 @@ def _present(ctx: Context, t: TableConfig, layout: CollectionLayout, stack: Stac
     """Per row shard, the distinct ids of `t` that a device holding `examples` of the batch
     sends it, from the sample's slot counts: an id filling k of a sampled batch's slots is
     in a device's share p of the examples with probability 1 - (1 - p)^k. None without
-    counts (then `distinct_draws` of the duplication model)."""
+    counts, or where a device holds more examples than a sampled batch (then
+    `distinct_draws` of the duplication model, which extrapolates)."""
     s = ctx.stats
     samples, counts = (s.samples.get(t.name, ()), s.counts.get(t.name, ())) if s else ((), ())
-    if not counts or not s.batch_size or not s.ids_per_batch.get(t.name):
+    if not counts or not s.ids_per_batch.get(t.name) or not 0 < examples <= s.batch_size:
         return None
     p = layout.placement(t.name)
     k = len(p.shards)
-    share = min(1.0, examples / s.batch_size)
+    share = examples / s.batch_size
     scale = ids_per_example * s.batch_size / s.ids_per_batch[t.name]  # the call's part
     loads = []
     for ids, count in zip(samples, counts, strict=False):
@@ -513,26 +514,28 @@ def _present(ctx: Context, t: TableConfig, layout: CollectionLayout, stack: Stac
 
 def _owner_loads(ctx, option, stack, calls_tables, layout, by_table, per_slot):
     """Per routed bucket, what a device expects to send it in a step, and at most how much
-    it can: `(expected, bound)`. Pooled at the owner, id slots (a hot id's slots all go to
-    one owner; no bound but the capacity); else distinct ids, bounded by the rows the
-    owner holds of the call's tables."""
+    it can: `(expected, bound, measured)`. Pooled at the owner, id slots (a hot id's slots
+    all go to one owner; no bound but the capacity); else distinct ids, bounded by the rows
+    the owner holds of the call's tables. `measured`: the expectation comes from the
+    sample's own ids (slots: their skew; distinct ids: `_present`), not the models alone."""
     routed = option.plan.routed
     slots = routed.pooled_at_owner
     b_dev = routed.slots / per_slot  # examples a device holds
     bucket = _bucket_of_shard(ctx, stack, routed)
     load = np.zeros(routed.num_buckets)
     held = np.zeros(routed.num_buckets)
+    measured = ctx.stats is not None
     for name, ids_per_example in calls_tables.items():
         t = by_table[name]
         sent = b_dev * ids_per_example
         present = None if slots else _present(ctx, t, layout, stack, b_dev, ids_per_example)
         if present is None:
-            if not slots:
-                sent = distinct_draws(sent, ctx.vocab_eff(t))
+            if not slots:  # the uniform-draw model: it underestimates a Zipf's new ids
+                sent, measured = distinct_draws(sent, ctx.vocab_eff(t)), False
             present = sent * _shares(ctx, t, layout, stack, slots=slots)
         np.add.at(load, bucket, present)
         np.add.at(held, bucket, _held_rows(layout, t, stack, np.arange(len(bucket))))
-    return load, (np.full_like(held, np.inf) if slots else held)
+    return load, (np.full_like(held, np.inf) if slots else held), measured
 
 
 def _routed_choice(ctx, call, option, stack, calls_tables, layout, by_table, per_slot):
@@ -541,8 +544,9 @@ def _routed_choice(ctx, call, option, stack, calls_tables, layout, by_table, per
 
     Each pooling the plan weighed (at the owner: slots; at the source: distinct ids) is
     sized for what its busiest owner expects from the sample, `x + 4√x + 1` (the default
-    capacity's bound on `x`, see `capacity_for`; without a sample, the default), and never
-    for more than the rows that owner holds (a device cannot send it more distinct ids):
+    capacity's bound on `x`, see `capacity_for`; without a sample, or with batches smaller
+    than a device's share, the default), and never for more than the rows that owner holds
+    (a device cannot send it more distinct ids):
     the capacity factor goes to the plan, whose buffers then shrink to fit. The cheapest
     that fits is kept; `pool` is `"auto"` and `factor` None where that is the plan's own."""
     own = _pool_of(option)
@@ -551,15 +555,17 @@ def _routed_choice(ctx, call, option, stack, calls_tables, layout, by_table, per
     for pool in pools:
         base = option if pool == own else _routed_variant(ctx, call, pool, None)
         routed = base.plan.routed
-        load, bound = _owner_loads(ctx, base, stack, calls_tables, layout, by_table, per_slot)
+        load, bound, measured = _owner_loads(ctx, base, stack, calls_tables, layout, by_table,
+                                             per_slot)  # fmt: skip
         busiest = float(load.max(initial=0.0))
         if busiest > routed.capacity:
             what = "id slots" if routed.pooled_at_owner else "distinct ids"
             why.append(f"pooled at the {pool}, its busiest owner expects {busiest:.0f} {what} "
                        f"per device, over its capacity {routed.capacity}")  # fmt: skip
             continue
-        # without a sample only the rows an owner holds bound what it receives
-        expect = load + 4 * np.sqrt(load) + 1 if ctx.stats is not None else routed.capacity
+        # unmeasured (no sample, or one smaller than a device's share of the batch), only
+        # the rows an owner holds bound what it receives
+        expect = load + 4 * np.sqrt(load) + 1 if measured else routed.capacity
         need = float(np.max(np.minimum(expect, bound), initial=1.0))
         mean = routed.slots / routed.num_buckets
         factor = _round_up(max(need, 1.0) / mean) if mean else None
