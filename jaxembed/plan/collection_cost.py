@@ -486,25 +486,24 @@ def _present(ctx: Context, t: TableConfig, layout: CollectionLayout, stack: Stac
     counts, or where a device holds more examples than a sampled batch (then
     `distinct_draws` of the duplication model, which extrapolates)."""
     s = ctx.stats
-    samples, counts = (s.samples.get(t.name, ()), s.counts.get(t.name, ())) if s else ((), ())
-    if not counts or not s.ids_per_batch.get(t.name) or not 0 < examples <= s.batch_size:
+    if (
+        s is None
+        or not s.counts.get(t.name)
+        or not s.ids_per_batch.get(t.name)
+        or not 0 < examples <= s.batch_size
+    ):
         return None
     p = layout.placement(t.name)
-    k = len(p.shards)
     share = examples / s.batch_size
     scale = ids_per_example * s.batch_size / s.ids_per_batch[t.name]  # the call's part
-    loads = []
-    for ids, count in zip(samples, counts, strict=False):
-        keep = ids < t.vocab_size
-        ids, count = ids[keep], count[keep] * scale
-        present = -np.expm1(count * math.log1p(-share)) if share < 1 else np.ones(ids.shape)
-        if k == 1:
-            owner = np.zeros(ids.shape, np.int64)
-        elif p.row_sharding == "mod":
-            owner = (ids + p.rotation) % k
-        else:
-            owner = ids // p.rows_per_shard
-        loads.append(np.bincount(owner, weights=present, minlength=k)[:k])
+
+    def present(count):  # each id's chance to be among a device's examples
+        if share >= 1:
+            return np.ones(count.shape)
+        return -np.expm1(count * scale * math.log1p(-share))
+
+    loads = s.shard_loads(t.name, present, vocab_size=t.vocab_size, num_shards=len(p.shards),
+                          row_sharding=p.row_sharding, rotation=p.rotation)  # fmt: skip
     if not loads:
         return None
     out = np.zeros(max(stack.num_shards, 1))

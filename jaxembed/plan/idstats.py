@@ -89,21 +89,39 @@ class IdStats:
         id slots, each id counted as often as it occurs) (sums to 1), averaged over the
         sample; uniform when the sample holds none. Mod rows go to shard
         `(id + rotation) % num_shards` (`TablePlacement.rotation`)."""
-        per_shard = -(-vocab_size // num_shards)
-        shares = []
-        counts = self.counts.get(table, ()) if slots else ()
-        for i, ids in enumerate(self.samples.get(table, ())):
-            weight = counts[i] if i < len(counts) else np.ones(ids.shape, np.int64)
-            keep = ids < vocab_size
-            ids, weight = ids[keep], weight[keep]
-            if ids.size:
-                owner = ((ids + rotation) % num_shards if row_sharding == "mod"
-                         else ids // per_shard)  # fmt: skip
-                load = np.bincount(owner, weights=weight, minlength=num_shards)
-                shares.append(load / load.sum())
+        kw = dict(vocab_size=vocab_size, num_shards=num_shards, row_sharding=row_sharding,
+                  rotation=rotation)  # fmt: skip
+        if slots:
+            loads = self.shard_loads(table, lambda count: count, **kw)
+        else:
+            loads = self.shard_loads(table, None, **kw)
+        shares = [load / load.sum() for load in loads if load.sum() > 0]
         if not shares:
             return np.full(num_shards, 1.0 / num_shards)
         return np.mean(shares, axis=0)
+
+    def shard_loads(
+        self, table: str, weight, *, vocab_size: int, num_shards: int, row_sharding: str,
+        rotation: int = 0,
+    ) -> list[np.ndarray]:  # fmt: skip
+        """Per sampled batch, each row shard's load: `Σ weight(count)` over the distinct ids
+        of `table` it holds (`count`: the slots each filled; unmeasured counts are 1), or
+        the number of those ids where `weight` is None. Block rows put id i on shard
+        `i // ceil(vocab_size / num_shards)`, mod rows on `(i + rotation) % num_shards`."""
+        per_shard = -(-vocab_size // num_shards)
+        counts = self.counts.get(table, ())
+        loads = []
+        for i, ids in enumerate(self.samples.get(table, ())):
+            count = counts[i] if i < len(counts) else np.ones(ids.shape, np.int64)
+            keep = ids < vocab_size
+            ids, count = ids[keep], count[keep]
+            if row_sharding == "mod":
+                owner = (ids + rotation) % num_shards
+            else:
+                owner = ids // per_shard
+            w = None if weight is None else weight(count)
+            loads.append(np.bincount(owner, weights=w, minlength=num_shards)[:num_shards])
+        return loads
 
 
 def _real_ids(value: Any) -> tuple[np.ndarray, int]:
