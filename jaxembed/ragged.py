@@ -150,9 +150,49 @@ def _check_offsets_values(offsets: np.ndarray, capacity: int, include_last: bool
         )
 
 
+class RaggedBase:
+    """What a batch of bags as flat slots and bag lengths shares: `Ragged` (ids) and
+    `jaxembed.dynamic.RaggedKeys` (64-bit ids as uint32 pairs). A pytree of its slots,
+    `lengths` and `weights`; the static facts its shapes give.
+
+    A subclass names its slots' field (`_SLOTS`) and how many trailing dims one slot has
+    (`_SLOT_DIMS`: 0 for an int id, 1 for a key's pair), and is a frozen dataclass of those
+    three fields, registered as a pytree.
+    """
+
+    _SLOTS = "values"
+    _SLOT_DIMS = 0
+
+    def tree_flatten(self):
+        return (getattr(self, self._SLOTS), self.lengths, self.weights), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        del aux
+        obj = object.__new__(cls)  # leaves may be tracers or placeholders: no checks
+        for name, child in zip((cls._SLOTS, "lengths", "weights"), children, strict=True):
+            object.__setattr__(obj, name, child)
+        return obj
+
+    @property
+    def num_bags(self) -> int:
+        """B: the bags per lead element (static)."""
+        return self.lengths.shape[-1]
+
+    @property
+    def capacity(self) -> int:
+        """N: the id slots per lead element (static)."""
+        return getattr(self, self._SLOTS).shape[-1 - self._SLOT_DIMS]
+
+    @property
+    def lead_shape(self) -> tuple[int, ...]:
+        """The leading (independent block) dims."""
+        return tuple(getattr(self, self._SLOTS).shape[: -1 - self._SLOT_DIMS])
+
+
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
-class Ragged:
+class Ragged(RaggedBase):
     """A batch of bags as flat ids and bag lengths: one feature of TorchRec's KeyedJaggedTensor.
 
     Leading dims are independent blocks (e.g. one per data-parallel shard), each with its own
@@ -183,6 +223,8 @@ class Ragged:
     lengths: jax.Array
     weights: jax.Array | None = None
 
+    _SLOTS = "values"
+
     def __post_init__(self):
         values, lengths = as_ids(self.values, "values"), as_ids(self.lengths, "lengths")
         weights = self.weights
@@ -202,32 +244,6 @@ class Ragged:
         object.__setattr__(self, "values", values)
         object.__setattr__(self, "lengths", lengths)
         object.__setattr__(self, "weights", weights)
-
-    def tree_flatten(self):
-        return (self.values, self.lengths, self.weights), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        del aux
-        obj = object.__new__(cls)  # leaves may be tracers or placeholders: no checks
-        for name, child in zip(("values", "lengths", "weights"), children, strict=True):
-            object.__setattr__(obj, name, child)
-        return obj
-
-    @property
-    def num_bags(self) -> int:
-        """B: the bags per lead element (static)."""
-        return self.lengths.shape[-1]
-
-    @property
-    def capacity(self) -> int:
-        """N: the id slots per lead element (static)."""
-        return self.values.shape[-1]
-
-    @property
-    def lead_shape(self) -> tuple[int, ...]:
-        """The leading (independent block) dims."""
-        return tuple(self.values.shape[:-1])
 
     def __repr__(self) -> str:
         shape = getattr(self.values, "shape", None)

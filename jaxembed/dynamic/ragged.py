@@ -41,14 +41,14 @@ import numpy as np
 
 from jaxembed.dynamic.keys import EMPTY_HALF, as_keys, keys_to_host, to_uint64
 from jaxembed.ids import as_ids
-from jaxembed.ragged import Ragged, segments_from_lengths
+from jaxembed.ragged import Ragged, RaggedBase, segments_from_lengths
 
 __all__ = ["RaggedKeys", "in_bag_keys", "to_ragged"]
 
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
-class RaggedKeys:
+class RaggedKeys(RaggedBase):
     """A batch of bags of raw 64-bit ids as flat keys and bag lengths (a jittable pytree).
 
     Attributes:
@@ -68,6 +68,9 @@ class RaggedKeys:
     lengths: jax.Array
     weights: jax.Array | None = None
 
+    _SLOTS = "keys"
+    _SLOT_DIMS = 1  # a key is a uint32 pair
+
     def __post_init__(self):
         keys = as_keys(self.keys, "values", check=False)  # EMPTY_ID: an empty slot
         lengths = as_ids(self.lengths, "lengths")
@@ -79,32 +82,6 @@ class RaggedKeys:
         object.__setattr__(self, "keys", keys)
         object.__setattr__(self, "lengths", lengths)
         object.__setattr__(self, "weights", weights)
-
-    def tree_flatten(self):
-        return (self.keys, self.lengths, self.weights), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        del aux
-        obj = object.__new__(cls)  # leaves may be tracers or placeholders: no checks
-        for name, child in zip(("keys", "lengths", "weights"), children, strict=True):
-            object.__setattr__(obj, name, child)
-        return obj
-
-    @property
-    def num_bags(self) -> int:
-        """B: the bags per lead element (static)."""
-        return self.lengths.shape[-1]
-
-    @property
-    def capacity(self) -> int:
-        """N: the id slots per lead element (static)."""
-        return self.keys.shape[-2]
-
-    @property
-    def lead_shape(self) -> tuple[int, ...]:
-        """The leading (independent block) dims."""
-        return tuple(self.keys.shape[:-2])
 
     def __repr__(self) -> str:
         if getattr(self.keys, "shape", None) is None:
