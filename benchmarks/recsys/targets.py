@@ -28,12 +28,7 @@ SCALE_OUT = (
 """The scale-out goals: (variant, t(n devices) / t(1 device) at most, what it runs). The
 forced exchanges (`[rows]`, `[routed]`) are information, the others goals."""
 
-
-def goal_of_record(variant: str) -> float | None:
-    """The scale-out goal a variant is held to (None: information only)."""
-    if variant in ("jaxembed[rows]", "jaxembed[routed]"):
-        return None
-    return next((g for v, g, _ in SCALE_OUT if v == variant), None)
+_INFORMATION = ("jaxembed[rows]", "jaxembed[routed]")
 
 
 def _find(rows: Sequence[dict], name: str, devices: int | None) -> dict | None:
@@ -107,7 +102,7 @@ def targets(record: dict[str, Any]) -> list[dict[str, Any]]:
                     t = _target(f"{tag} {v} step on {n} devices <= {goal}x the 1-device step "
                                 f"({what})", goal, _find(rows, v, n), one,
                                 what=f"{v}@{n} / jaxembed@1")  # fmt: skip
-                    if goal_of_record(v) is None and t["status"] != "not measured":
+                    if v in _INFORMATION and t["status"] != "not measured":
                         t["status"] = "info"
                     out.append(t)
     sweep = record.get("sweep", [])

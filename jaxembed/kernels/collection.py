@@ -55,7 +55,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -533,9 +533,30 @@ def _to_batch_layout(out: jax.Array, stack: Stack, mesh: Any, ids, ids_spec: P |
     return move(out, mesh, P(*lead, *(None,) * (out.ndim - len(lead))))
 
 
-def _requested(exchange: Any, stack: int) -> str:
+class _Asked(NamedTuple):
+    """A stack's exchange as asked, `exchange[:pool[:factor]]` (a `CollectionPlan`'s routed
+    stacks may say their pooling and capacity factor, `"routed:source:0.0794"`)."""
+
+    exchange: str
+    pool: str | None
+    factor: float | None
+
+
+def _requested(exchange: Any, stack: int) -> _Asked:
     """A stack's exchange as asked: one for all, or per stack index (a `CollectionPlan`'s)."""
-    return exchange.get(stack, "auto") if isinstance(exchange, Mapping) else exchange
+    text = exchange.get(stack, "auto") if isinstance(exchange, Mapping) else exchange
+    name, *rest = text.split(":")
+    how = "a plan's exchange is 'routed:<pool>:<factor>', e.g. 'routed:source:0.08'"
+    if len(rest) > 2:
+        raise ValueError(f"stack {stack}: exchange {text!r} has {len(rest) + 1} parts: {how}")
+    factor = None
+    if len(rest) == 2:
+        try:
+            factor = float(rest[1])
+        except ValueError:
+            raise ValueError(f"stack {stack}: exchange {text!r} ends in {rest[1]!r}, not a "
+                             f"capacity factor: {how}") from None  # fmt: skip
+    return _Asked(name, rest[0] if rest else None, factor)
 
 
 def stack_exchange(exchange: Any, layout: CollectionLayout, stack: int) -> str:
@@ -549,7 +570,7 @@ def stack_exchange(exchange: Any, layout: CollectionLayout, stack: int) -> str:
     every step (the exact fallback is the gather exchange plus the bucketing). Mod rows (the
     hot ids spread over the shards) and a `CollectionPlan`'s exchanges, priced with the ids'
     measured skew (`id_stats`), route where that is faster."""
-    chosen = _requested(exchange, stack).split(":")[0]  # a plan's pooling: `_routed_pool`
+    chosen = _requested(exchange, stack).exchange  # a plan's pooling: `_routed_pool`
     if chosen.startswith("table+"):  # a plan's: table-wise calls, the rest by this exchange
         return chosen.removeprefix("table+")
     if chosen == "auto" and any(
@@ -568,7 +589,7 @@ def _calls(layout: CollectionLayout, group: Group, batch, exchange: Any, mesh: A
     where the batch is split over the stack's row axes alone and the hidden axis is whole; the
     group's other features make a call of their own, as before."""
     stack = layout.stacks[group.stack]
-    requested = _requested(exchange, group.stack)
+    requested = _requested(exchange, group.stack).exchange
     tablewise_asked = requested in ("auto", "table") or requested.startswith("table+")
     if (not tablewise_asked or group.kind != "stacked"
             or group.combiner != "sum" or stack.hidden_axes or stack.num_shards < 2):  # fmt: skip
@@ -696,16 +717,8 @@ def _add_update_stats(total: UpdateStats | None, call: UpdateStats) -> UpdateSta
 def _capacity_factor(capacity_factor: float | None, exchange: Any, stack: int) -> float | None:
     """A call's routed `capacity_factor`: the plan's for its stack (a `CollectionPlan`'s
     exchange `"routed:source:0.0789"`, sized from the sampled ids), else the one asked for."""
-    parts = _requested(exchange, stack).split(":")
-    if len(parts) < 3:
-        return capacity_factor
-    try:
-        return float(parts[2])
-    except ValueError:
-        raise ValueError(
-            f"stack {stack}: exchange {':'.join(parts)!r} ends in {parts[2]!r}, not a capacity "
-            "factor: a plan's exchange is 'routed:<pool>:<factor>', e.g. 'routed:source:0.08'"
-        ) from None
+    factor = _requested(exchange, stack).factor
+    return capacity_factor if factor is None else factor
 
 
 def _routed_pool(routed_pool: str, combiner: str, exchange: Any, stack: int) -> str:
@@ -713,9 +726,7 @@ def _routed_pool(routed_pool: str, combiner: str, exchange: Any, stack: int) -> 
     `"routed:source"` or `"table+routed:source"`, where pooling at the owner would overflow
     or costs more), else the one asked for; a max-pooled call has no partial sums to pool
     at the owner."""
-    requested = _requested(exchange, stack)
-    if ":" in requested:
-        routed_pool = requested.split(":")[1]
+    routed_pool = _requested(exchange, stack).pool or routed_pool
     return "auto" if combiner == "max" and routed_pool == "owner" else routed_pool
 
 
