@@ -207,6 +207,26 @@ def test_empty_slots():
     assert native.pool_sum(table, empty_i, empty_b, empty_i, empty_f, 0).shape == (0, H)
 
 
+def test_default_threads_divide_the_cores_by_the_meshs_devices(monkeypatch):
+    """8 cores: a body over 8 devices gets 1 thread a call, over 2 devices 4, over 1 all 8;
+    outside any mesh, the process's devices share them."""
+    monkeypatch.delenv("JAXEMBED_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    seen = {}
+    for n in (8, 2, 1):
+        mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+
+        def body(v, n=n):
+            seen[n] = native.num_threads()
+            return v
+
+        f = jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"))
+        jax.jit(f).lower(jax.ShapeDtypeStruct((8,), jnp.float32,
+                                              sharding=NamedSharding(mesh, P("x"))))  # fmt: skip
+    assert seen == {8: 1, 2: 4, 1: 8}
+    assert native.num_threads() == max(1, 8 // jax.local_device_count())
+
+
 def test_results_do_not_depend_on_thread_count(monkeypatch):
     """Big enough for 2 threads (>= 16k slots each): bitwise the 1-thread results."""
     table, local, valid, seg, scale = make_slots(6, 40_000, rows=5000, segments=3000)

@@ -32,9 +32,11 @@ runs these kernels only for such tables (`supports_dtype`; `impl="auto"` runs XL
 float16 or float64 tables).
 
 Threads: each kernel call runs on `num_threads()` threads, `JAXEMBED_NUM_THREADS` if set,
-else `max(1, os.cpu_count() // jax.local_device_count())`: simulated CPU devices run their
-kernels concurrently, so 8 devices on 2 cores get 1 thread each. The value is read when a
-function is traced (an attribute of the custom call).
+else the cores divided by the devices that run the call at once: in a `shard_map` (or under
+`jax.set_mesh`) the mesh's devices on this process, `min(mesh.size, jax.local_device_count())`;
+elsewhere `jax.local_device_count()`. Simulated CPU devices run their kernels concurrently, so
+8 devices on 2 cores get 1 thread each, and a 1-device mesh in the same process gets both. The
+value is read when a function is traced (an attribute of the custom call).
 
 Examples:
   >>> import jax.numpy as jnp
@@ -82,7 +84,9 @@ __all__ = [
 
 
 def num_threads() -> int:
-    """Threads per kernel call: `$JAXEMBED_NUM_THREADS`, else cores // local devices.
+    """Threads per kernel call: `$JAXEMBED_NUM_THREADS`, else the cores over the devices that
+    run at once (the current mesh's on this process, else all local devices; module
+    docstring).
 
     Raises:
       ValueError: `JAXEMBED_NUM_THREADS` is not an integer in [1, 1024].
@@ -96,7 +100,11 @@ def num_threads() -> int:
         if not 1 <= n <= 1024:
             raise ValueError(f"JAXEMBED_NUM_THREADS={env!r} must be an integer in [1, 1024]")
         return n
-    return max(1, (os.cpu_count() or 1) // jax.local_device_count())
+    devices = jax.local_device_count()
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:  # a mesh bigger than this process's devices spans processes
+        devices = min(devices, mesh.size)
+    return max(1, (os.cpu_count() or 1) // devices)
 
 
 def _require(kernel: str) -> np.int64:
