@@ -7,6 +7,11 @@ if "jax" not in sys.modules:  # 8 CPU devices, before jax starts
     flag = "--xla_force_host_platform_device_count=8"
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+    from jaxembed import host
+
+    host.tune_malloc(
+        warn=False
+    )  # XLA's per-step buffers kept for reuse (JAXEMBED_MALLOC=default: not)
 
 from benchmarks import main
 

@@ -430,7 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     the plan; `--host-axes` adds the bytes that cross hosts. `demo` runs
     `jaxembed.demo.run` on `--devices` CPU devices; `bench` hands its arguments to
     `benchmarks.main` of the checkout beside the package. Both ask XLA for CPU devices (8 by
-    default), which takes effect only when jax is not imported yet.
+    default), which takes effect only when jax is not imported yet, and set glibc's malloc
+    to keep XLA's per-step buffers for reuse (`jaxembed.host.tune_malloc`).
 
     Args:
       argv: the arguments after the program name (default `sys.argv[1:]`).
@@ -468,6 +469,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.command == "plan":
         return _run_plan(args)
+    if args.command in ("demo", "bench"):  # before jax starts its backend
+        from jaxembed import host
+
+        host.tune_malloc(warn=False)
     if args.command == "demo":
         _ensure_cpu_devices(args.devices)
         from jaxembed import demo as demo_module

@@ -30,6 +30,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
+from jaxembed import host
+
 __all__ = ["LaunchError", "free_port", "initialize", "launch", "main", "process_mesh"]
 
 ENV_COORDINATOR = "JAXEMBED_COORDINATOR"
@@ -288,7 +290,8 @@ def launch(
         the launcher kills them.
       timeout_seconds: kill everything after this long (exit code 124).
       heartbeat_timeout_seconds: passed to `jax.distributed.initialize` in each process.
-      env: extra environment variables for every process.
+      env: extra environment variables for every process. Each also starts with
+        `jaxembed.host.host_env()`'s `GLIBC_TUNABLES` (`JAXEMBED_MALLOC=default`: not).
       out: where the prefixed output goes (default `sys.stdout`).
 
     Returns:
@@ -326,7 +329,7 @@ def launch(
     procs: list[subprocess.Popen] = []
     pumps = []
     for pid in range(processes):
-        child_env = {
+        child_env = host.host_env({  # glibc's malloc keeps XLA's per-step buffers for reuse
             **os.environ,
             **(env or {}),
             ENV_COORDINATOR: f"127.0.0.1:{port}",
@@ -336,7 +339,7 @@ def launch(
             ENV_HEARTBEAT: str(heartbeat_timeout_seconds),
             "JAX_PLATFORMS": "cpu",
             "PYTHONUNBUFFERED": "1",
-        }
+        })  # fmt: skip
         child_env.pop("XLA_FLAGS", None)  # the device count comes from jax_num_cpu_devices
         proc = subprocess.Popen(
             [sys.executable, *command],

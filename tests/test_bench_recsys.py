@@ -4,6 +4,7 @@ float64 reference, the framework runners skipped cleanly, the targets' arithmeti
 No timing is asserted: the times of a quick run mean nothing.
 """
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -15,8 +16,9 @@ from benchmarks.common.reference import reference_steps
 from benchmarks.recsys import bench as recsys
 from benchmarks.recsys import check as recsys_check
 from benchmarks.recsys import impls as recsys_impls
+from benchmarks.recsys import report
 from benchmarks.recsys.files import save_inputs
-from benchmarks.recsys.worker import WorkerConfig, run_worker
+from benchmarks.recsys.worker import WorkerConfig, run_worker, split_name
 from jaxembed import workloads as W
 
 TIME_KEYS = ("step_time_median_in_ms", "step_time_p90_in_ms", "step_time_cpu_median_in_ms",
@@ -77,6 +79,8 @@ def test_quick_run_writes_the_documented_record(tmp_path, capsys):
 @pytest.mark.parametrize("workload,devices", [("a", 8), ("dlrm", 1)])
 def test_every_jax_implementation_agrees_with_the_reference(workload, devices):
     variants = [v for v in recsys_impls.VARIANTS if devices > 1 or v != "jaxembed[rows]"]
+    if devices > 1:  # the 1-device step timed beside the others, on the first device
+        variants.append("jaxembed@1")
     config = WorkerConfig(workload=workload, devices=devices, variants=tuple(variants),
                           quick=True, batches=2, repeats=1, warmup=0, min_samples=1,
                           profile_calls=0)  # fmt: skip
@@ -92,6 +96,9 @@ def test_every_jax_implementation_agrees_with_the_reference(workload, devices):
         assert r["optimizer"] == ("rowwise_adagrad" if name.startswith("jaxembed") else "adagrad")
         assert all(k in r for k in TIME_KEYS), name
     if devices > 1:  # the donated, row-split step: collectives, and no table-sized temp
+        one = result["implementations"]["jaxembed@1"]
+        assert one["wire_bytes"] == 0 and not one["collectives"], one
+        assert result["implementations"]["jaxembed"]["wire_bytes"] > 0
         r = result["implementations"]["jaxembed[rows]"]
         table_bytes = (
             max(t.rows for t in recsys.make_workload(workload, quick=True).tables) * 16 * 4
@@ -166,6 +173,36 @@ def test_targets_are_ratios_of_medians_and_say_what_was_not_measured():
         ),
         "(a) jaxembed step within 1.3x as the largest table grows": ("missed", 1.5),
     }
+
+
+def test_scale_out_divides_by_the_1_device_step_timed_beside_it():
+    rows = [_row("jaxembed", 8, 60.0), _row("jaxembed[mod]", 8, 45.0),
+            {**_row("jaxembed", 1, 40.0), "beside": 8}, _row("jaxembed", 1, 30.0)]  # fmt: skip
+    record = {"workloads": {"a": {"implementations": rows}}, "sweep": []}
+    got = {t["target"]: t for t in recsys.targets(record) if "on 8 devices" in t["target"]}
+    rows_goal = got[
+        "(a) jaxembed step on 8 devices <= 1.5x the 1-device step (every table by rows)"
+    ]
+    assert rows_goal["ratio"] == 1.5 and rows_goal["status"] == "met"
+    assert rows_goal["compares"] == "jaxembed@8 / jaxembed@1 beside @8"
+    assert rows_goal["ratio_to_the_1_device_process"] == 2.0
+    mod = got[
+        "(a) jaxembed[mod] step on 8 devices <= 1.5x the 1-device step (every table by mod rows)"
+    ]
+    assert mod["ratio"] == 1.125
+    # the 1-device worker's own targets still read its own row, not the one beside @8
+    one = {t["target"]: t for t in recsys.targets(record)}[
+        "(a) jaxembed step <= 0.25x XLA dense step, 1 device(s)"]  # fmt: skip
+    assert one["status"] == "not measured"
+    assert report.label(rows[2]) == "jaxembed@1 beside @8"
+    assert split_name("jaxembed@1", 8) == ("jaxembed", 1)
+    with pytest.raises(ValueError, match=r"'jaxembed@9': the mesh size after '@' must be"):
+        split_name("jaxembed@9", 8)
+    cfg = recsys.RecsysConfig(variants=("jaxembed", "xla"))
+    assert recsys._variants_for(cfg, "a", 8) == ["jaxembed", "xla", "jaxembed@1"]
+    assert recsys._variants_for(cfg, "a", 1) == ["jaxembed", "xla"]
+    off = dataclasses.replace(cfg, one_beside=False)
+    assert recsys._variants_for(off, "a", 8) == ["jaxembed", "xla"]
 
 
 def test_bad_names_raise_with_the_choices():

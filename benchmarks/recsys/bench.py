@@ -48,6 +48,8 @@ from typing import Any
 from benchmarks.common.report import write, write_outputs
 from benchmarks.recsys.files import save_inputs
 from benchmarks.recsys.targets import targets
+from benchmarks.recsys.worker import split_name
+from jaxembed import host
 from jaxembed import workloads as W
 
 __all__ = ["QUICK", "RecsysConfig", "main", "make_workload", "run_recsys", "targets"]
@@ -116,6 +118,12 @@ class RecsysConfig:
       torchrec_python, kerasrs_python: the Pythons of the framework venvs.
       repeats, max_seconds, profile_calls: the workers' timing and tracing.
       runner_steps: timed steps of each runner.
+      one_beside: a worker of n > 1 devices also times `jaxembed` on one of its devices
+        (`jaxembed@1`, interleaved with the others): the scale-out targets' 1-device step,
+        timed in the same rounds (`benchmarks.recsys.worker`).
+      malloc: `"tuned"`: every subprocess (workers and runners alike) starts with glibc's
+        malloc set to keep XLA's per-step buffers (`jaxembed.host`); `"default"`: glibc's
+        defaults, each step faulting its big buffers in again.
       memory_budget_gb: a worker's budget for its implementations' buffers (None: 70% of
         the memory available when it starts).
       timeout_s: of each subprocess.
@@ -140,6 +148,8 @@ class RecsysConfig:
     profile_calls: int = 2
     runner_steps: int = 20
     memory_budget_gb: float | None = None
+    one_beside: bool = True
+    malloc: str = "tuned"
     timeout_s: float = 1800.0
     quick: bool = False
 
@@ -154,8 +164,14 @@ QUICK = RecsysConfig(
 # --- processes -------------------------------------------------------------------------------
 
 
-def _env(devices: int | None = None) -> dict[str, str]:
+def _env(devices: int | None = None, malloc: str | None = None) -> dict[str, str]:
+    """A subprocess's environment: this checkout first on its path, `devices` CPU devices,
+    and glibc's malloc tuned (`jaxembed.host.host_env`) unless `malloc` (or the environment's
+    `JAXEMBED_MALLOC`) is `"default"`."""
     env = dict(os.environ)
+    if malloc is not None:
+        env[host.ENV_MALLOC] = malloc
+    env = host.host_env(env)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     flags = [f for f in env.get("XLA_FLAGS", "").split()
@@ -202,7 +218,7 @@ def _worker(config: RecsysConfig, tmp: str, workload: str, devices: int,
         cmd.append("--quick")
     if config.memory_budget_gb:
         cmd += ["--memory-budget-gb", str(config.memory_budget_gb)]
-    return _run_json(cmd, _env(devices), out, config.timeout_s)
+    return _run_json(cmd, _env(devices, config.malloc), out, config.timeout_s)
 
 
 def _python(configured: str | None, variable: str) -> str:
@@ -224,7 +240,7 @@ def _runner(config: RecsysConfig, tmp: str, framework: str, inputs: str) -> dict
         cmd = [python, "-m", "benchmarks.recsys.torchrec_runner", *common, "--impl", impl,
                "--steps", str(config.runner_steps),
                "--profile", str(max(1, config.profile_calls))]  # fmt: skip
-    record = _run_json(cmd, _env(1), out, config.timeout_s)
+    record = _run_json(cmd, _env(1, config.malloc), out, config.timeout_s)
     if "devices" in record:  # keras-rs lists its jax devices
         record["jax_devices"] = record.pop("devices")
     record.update(python=python, devices=None)
@@ -239,7 +255,10 @@ def _runner(config: RecsysConfig, tmp: str, framework: str, inputs: str) -> dict
 
 def _variants_for(config: RecsysConfig, kind: str, devices: int) -> list[str]:
     names = config.dlrm_variants if kind == "dlrm" and config.dlrm_variants else config.variants
-    return [v for v in names if devices > 1 or v != "jaxembed[rows]"]
+    out = [v for v in names if devices > 1 or v != "jaxembed[rows]"]
+    if config.one_beside and devices > 1 and any(v.startswith("jaxembed") for v in out):
+        out.append("jaxembed@1")  # the scale-out ratios' denominator, timed in the same rounds
+    return out
 
 
 def _frameworks_for(config: RecsysConfig, kind: str) -> tuple[str, ...]:
@@ -325,8 +344,9 @@ def _describe(w: W.Workload) -> dict[str, Any]:
 
 
 def _worker_facts(res: dict[str, Any]) -> dict[str, Any]:
-    keys = ("status", "error", "native", "ids_per_step", "loadavg_before", "loadavg_after",
-            "memory_budget_bytes", "process_wall_time_in_s", "timing_error")  # fmt: skip
+    keys = ("status", "error", "native", "malloc", "ids_per_step", "loadavg_before",
+            "loadavg_after", "memory_budget_bytes", "process_wall_time_in_s",
+            "timing_error")  # fmt: skip
     return {k: res[k] for k in keys if k in res}
 
 
@@ -335,8 +355,13 @@ def _rows(res: dict[str, Any], devices: int) -> list[dict[str, Any]]:
     if "implementations" not in res:
         return [{"implementation": "worker", "devices": devices, **res}]
     load = [res.get("loadavg_before"), res.get("loadavg_after")]
-    return [{"implementation": name, "devices": devices, "worker_loadavg": load, **rec}
-            for name, rec in res["implementations"].items()]  # fmt: skip
+    out = []
+    for name, rec in res["implementations"].items():
+        base, num = split_name(name, devices)
+        beside = {"beside": devices} if num != devices else {}  # timed in the n-device worker
+        out.append({"implementation": base, "devices": num, **beside, "worker_loadavg": load,
+                    **rec})  # fmt: skip
+    return out
 
 
 # --- the command -------------------------------------------------------------------------------
@@ -375,6 +400,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seconds", type=float, help="timed seconds per implementation")
     p.add_argument("--profile", type=int, dest="profile_calls", help="steps to trace")
     p.add_argument("--memory-budget-gb", type=float)
+    p.add_argument(
+        "--malloc",
+        choices=("tuned", "default"),
+        help="glibc's malloc in every subprocess (jaxembed.host; default tuned)",
+    )
+    p.add_argument(
+        "--no-one-beside",
+        dest="one_beside",
+        action="store_false",
+        default=None,
+        help="do not time jaxembed on 1 device inside the n-device workers",
+    )
     # The worker (one JAX configuration in this process).
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workload", default="a", help=argparse.SUPPRESS)
@@ -414,7 +451,7 @@ def config_from_args(args: argparse.Namespace) -> RecsysConfig:
         "workloads", "devices", "variants", "frameworks", "dlrm_variants", "dlrm_frameworks",
         "sweep_rows", "sweep_devices",
         "dlrm_batch_size", "threads", "torchrec_python", "kerasrs_python", "repeats",
-        "max_seconds", "profile_calls", "memory_budget_gb",
+        "max_seconds", "profile_calls", "memory_budget_gb", "one_beside", "malloc",
     ) if getattr(args, k) is not None}  # fmt: skip
     return dataclasses.replace(base, **fields)
 

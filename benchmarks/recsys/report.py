@@ -22,14 +22,20 @@ __all__ = ["label", "markdown", "plot_all", "status_text"]
 
 
 def label(row: dict[str, Any]) -> str:
-    """`jaxembed@8` for a JAX implementation on 8 devices, the framework's name otherwise.
+    """`jaxembed@8` for a JAX implementation on 8 devices, the framework's name otherwise;
+    a 1-device step timed inside the 8-device worker is `jaxembed@1 beside @8`.
 
     Examples:
       >>> label({"implementation": "xla", "devices": 8}), label({"implementation": "torchrec"})
       ('xla@8', 'torchrec')
+      >>> label({"implementation": "jaxembed", "devices": 1, "beside": 8})
+      'jaxembed@1 beside @8'
     """
     n = row.get("devices")
-    return f"{row['implementation']}@{n}" if n else row["implementation"]
+    if not n:
+        return row["implementation"]
+    beside = f" beside @{row['beside']}" if row.get("beside") else ""
+    return f"{row['implementation']}@{n}{beside}"
 
 
 def status_text(row: dict[str, Any]) -> str:
@@ -70,6 +76,7 @@ def _baseline(rows: Sequence[dict], row: dict) -> dict | None:
         if (
             r["implementation"] == "jaxembed"
             and r.get("devices") == n
+            and r.get("beside") == row.get("beside")
             and (r.get("step_time_median_in_ms"))
         ):
             return r
@@ -149,12 +156,15 @@ def markdown(record: dict[str, Any]) -> str:
              f"{m['cpus']} CPUs ({m['platform']}); load average {_load(m.get('loadavg_start'))} "
              f"at the start, {_load(m.get('loadavg_end'))} at the end; "
              f"{record.get('started', '')} to {record.get('finished', '')}"
+             + f"; glibc malloc {record['config'].get('malloc', 'default')} (`jaxembed.host`)"
              + (" — QUICK: tiny shapes, the times mean nothing" if record["config"]["quick"]
                 else ""), "",
              "## Targets", "", "| target | compares | ratio | CPU-time ratio | status |",
              "|---|---|---|---|---|"]  # fmt: skip
     for t in record.get("targets", []):
         ratio = f"{t['ratio']:.3f} (goal <= {t['goal_ratio']})" if "ratio" in t else "–"
+        if "ratio_to_the_1_device_process" in t:
+            ratio += f"; {t['ratio_to_the_1_device_process']:.3f} to the 1-device process's"
         lines.append(f"| {t['target']} | {t['compares']} | {ratio} | "
                      f"{t.get('cpu_time_ratio', '–')} | {t['status']} |")  # fmt: skip
     for entry in record["workloads"].values():

@@ -4,7 +4,9 @@ On each workload: the jaxembed step against XLA's dense-gradient step (<= 0.25x,
 device count), against TorchRec + FBGEMM on one device (<= 1.0x, ambitious; <= 1.5x), its
 forward against FBGEMM's (<= 1.5x), the step on 8 simulated devices against the 1-device step
 on the same cores (`SCALE_OUT`: <= 1.3x with the planner's placements, <= 1.5x with every
-table by rows; the forced exchanges for information); on the sweep, the step as the largest table
+table by rows; the forced exchanges for information; the 1-device step is the one timed in
+the same rounds of the n-device worker, `jaxembed@1 beside @n`, where the run has it, and the
+ratio to the 1-device process's step rides along); on the sweep, the step as the largest table
 grows (within 1.3x; XLA's as a reference point). Ratios of wall-time medians; the ratio of
 process CPU times rides along (robust to other processes on the machine).
 """
@@ -31,9 +33,9 @@ forced exchanges (`[rows]`, `[routed]`) are information, the others goals."""
 _INFORMATION = ("jaxembed[rows]", "jaxembed[routed]")
 
 
-def _find(rows: Sequence[dict], name: str, devices: int | None) -> dict | None:
+def _find(rows: Sequence[dict], name: str, devices: int | None, beside: int | None = None):
     for r in rows:
-        if r["implementation"] == name and r.get("devices") == devices:
+        if (r["implementation"], r.get("devices"), r.get("beside")) == (name, devices, beside):
             ok = r.get("status") == "ok" and r.get("agrees_with_reference")
             return r if ok and "step_time_median_in_ms" in r else None
     return None
@@ -97,13 +99,19 @@ def targets(record: dict[str, Any]) -> list[dict[str, Any]]:
             )
         )
         for n in multi:  # scale-out: n devices on the same cores cost about one device's step
+            beside = _find(rows, "jaxembed", 1, beside=n)
+            base, base_name = (beside, f"jaxembed@1 beside @{n}") if beside else (one, "jaxembed@1")
             for v, goal, what in SCALE_OUT:
                 if _find(rows, v, n) or v == "jaxembed":
                     t = _target(f"{tag} {v} step on {n} devices <= {goal}x the 1-device step "
-                                f"({what})", goal, _find(rows, v, n), one,
-                                what=f"{v}@{n} / jaxembed@1")  # fmt: skip
+                                f"({what})", goal, _find(rows, v, n), base,
+                                what=f"{v}@{n} / {base_name}")  # fmt: skip
                     if v in _INFORMATION and t["status"] != "not measured":
                         t["status"] = "info"
+                    if beside and one and t["status"] != "not measured":
+                        t["ratio_to_the_1_device_process"] = round(
+                            t["numerator_in_ms"] / one["step_time_median_in_ms"], 3
+                        )
                     out.append(t)
     sweep = record.get("sweep", [])
     for v in sorted({r["implementation"] for r in sweep}):

@@ -15,6 +15,12 @@ thread pools). `run_worker`:
 4. times the implementations interleaved: each round, in a rotated order, each runs one
    untimed step, then a timed forward and a timed step (wall and process CPU time);
 5. traces a few steps of each with `jax.profiler` (`recsys_profile.breakdown`).
+
+A variant named `name@k` runs on the first k of the process's devices: the driver adds
+`jaxembed@1` to a worker of n > 1 devices, so that the scale-out ratio t(n)/t(1) compares two
+steps timed in the same rounds of the same process (native kernels thread by the mesh's devices,
+`jaxembed.kernels.native.num_threads`, so the 1-device step still gets every core), free of
+the load that drifts between one process and the next.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ import numpy as np
 from benchmarks.common.reference import reference_pooled
 from benchmarks.common.timing import TimingPolicy, summarize_times, time_interleaved
 from benchmarks.recsys import check as C
+from jaxembed import host as host_memory
 from jaxembed import workloads as W
 
-__all__ = ["WorkerConfig", "run_worker"]
+__all__ = ["WorkerConfig", "run_worker", "split_name"]
 
 SCHEMA = "jaxembed.bench.recsys.worker/1"
 _ERROR_CHARS = 600
@@ -44,7 +51,8 @@ class WorkerConfig:
     Attributes:
       workload: `"a"` or `"dlrm"` (`benchmarks.recsys.bench.make_workload`).
       devices: the mesh size (the process must have that many devices).
-      variants: names from `recsys_impls.VARIANTS`.
+      variants: names from `recsys_impls.VARIANTS`, each optionally `@k`: on the first k
+        devices (k <= devices; the module docstring).
       batch_size, largest_rows, quick: the workload's (see `make_workload`).
       seed: of the tables, batches and cotangent.
       batches: distinct batches, cycled through by the timed steps.
@@ -72,6 +80,22 @@ class WorkerConfig:
     max_seconds: float = 3.0
     profile_calls: int = 2
     memory_budget_bytes: int | None = None
+
+
+def split_name(name: str, devices: int) -> tuple[str, int]:
+    """`(variant, mesh size)` of a worker's variant name: `"jaxembed@1"` runs `jaxembed` on one
+    device, a plain name on all of the worker's.
+
+    Examples:
+      >>> split_name("jaxembed@1", 8), split_name("jaxembed[mod]", 8)
+      (('jaxembed', 1), ('jaxembed[mod]', 8))
+    """
+    base, at, k = name.partition("@")
+    if not at:
+        return name, devices
+    if not k.isdigit() or not 1 <= int(k) <= devices:
+        raise ValueError(f"{name!r}: the mesh size after '@' must be an integer in [1, {devices}]")
+    return base, int(k)
 
 
 def _available_bytes() -> int:
@@ -230,6 +254,7 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
         "native": {"available": native.available(), "why_unavailable": native.why_unavailable(),
                    "threads_per_kernel": native.num_threads()},
         "memory_budget_bytes": budget, "loadavg_before": list(os.getloadavg()),
+        "malloc": host_memory.malloc_settings(),
         "implementations": {},
     }  # fmt: skip
     readies: dict[str, _Ready] = {}
@@ -238,15 +263,17 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
         rec: dict[str, Any] = {"status": "compiled"}
         result["implementations"][name] = rec
         try:
-            variant = impls.build_variant(name, w, config.devices)
+            base, num = split_name(name, config.devices)
+            mine = jax.devices()[:num] if base != name else None
+            variant = impls.build_variant(base, w, num, devices=mine)
             facts, step, forward = _compile(variant, w)
         except Exception as err:  # a framework failing to build or compile is a result
             rec.update(_error("compile", err))
             continue
         rec.update(optimizer=variant.optimizer, info=variant.info, **facts)
         m = facts["memory_per_device_bytes"]
-        state_bytes = m["argument"] * config.devices
-        need = (m["argument"] + m["output"] - m["alias"] + m["temp"]) * config.devices
+        state_bytes = m["argument"] * num
+        need = (m["argument"] + m["output"] - m["alias"] + m["temp"]) * num
         rec["run_bytes"] = need
         if held + need > budget:
             rec.update(

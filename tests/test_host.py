@@ -1,0 +1,85 @@
+"""`jaxembed.host`: glibc's malloc settings that keep XLA:CPU's per-step buffers for reuse.
+
+The behaviour is checked where it shows, in page faults: a jitted program whose 40 MiB temp
+block is bigger than glibc's mmap threshold faults that block in on every call by default;
+tuned, most calls fault nothing once the heap has grown to hold what is in use at once (a
+call's block can still be held while the next is allocated, so the heap grows in a few
+steps, and fragmentation adds an occasional step), whether by `tune_malloc()` before JAX's backend starts or by `host_env()`'s
+`GLIBC_TUNABLES` at the process's start. Each case runs in its own process.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jaxembed import host
+
+glibc_only = pytest.mark.skipif(not host._glibc(), reason="the settings are glibc's")
+
+_PROGRAM = textwrap.dedent("""
+    import os, resource, sys, warnings
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    import jax, jax.numpy as jnp
+    from jaxembed import host
+    mode = sys.argv[1]
+    if mode == "early":
+        assert host.tune_malloc() and host.malloc_settings()["tuned_in_process"]
+    x = jnp.ones((5 << 20,), jnp.float32)
+    f = jax.jit(lambda x: jnp.cumsum(x.reshape(1024, -1).T * 2.0, axis=1)[:, ::512])
+    f = f.lower(x).compile()
+    assert f.memory_analysis().temp_size_in_bytes > 32 << 20  # over glibc's mmap threshold
+    if mode == "late":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert host.tune_malloc() is False
+        assert "already started" in str(caught[0].message)
+    faults = []
+    for _ in range(30):
+        start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        jax.block_until_ready(f(x))
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start)
+    print(sum(faults[1:]))  # the calls after the first
+""")
+
+
+def _faults(mode: str, env: dict[str, str]) -> float:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**env, "PYTHONPATH": os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)}
+    env.pop("GLIBC_TUNABLES", None) if mode != "env" else None
+    out = subprocess.run([sys.executable, "-c", _PROGRAM, mode], env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    return float(out.stdout.split()[-1])
+
+
+@glibc_only
+def test_tuned_malloc_stops_the_per_step_page_faults():
+    plain = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    default = _faults("default", plain)
+    assert default > 29 * 10_000  # 40 MiB, faulted in again on each of 29 calls
+    assert _faults("early", plain) < default / 2  # about 1/4 measured
+    assert _faults("env", host.host_env(plain)) < default / 2
+    assert _faults("late", plain) > default * 0.8  # too late: the arenas are taken
+
+
+def test_host_env_adds_the_tunables_and_keeps_what_is_set():
+    env = host.host_env({"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.mmap_max=7"})
+    assert env["PATH"] == "/bin"
+    assert env["GLIBC_TUNABLES"].split(":") == [
+        "glibc.malloc.mmap_max=7",
+        "glibc.malloc.arena_max=1",
+        f"glibc.malloc.trim_threshold={1 << 36}",
+    ]
+    assert host.host_env(env) == env  # idempotent
+
+
+def test_jaxembed_malloc_default_declines_and_a_bad_value_is_named(monkeypatch):
+    env = {"JAXEMBED_MALLOC": "default", "GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}
+    assert host.host_env(env) == env
+    monkeypatch.setenv("JAXEMBED_MALLOC", "default")
+    assert host.tune_malloc() is False
+    with pytest.raises(ValueError, match=r"JAXEMBED_MALLOC='fast' must be 'tuned' or 'default'"):
+        host.host_env({"JAXEMBED_MALLOC": "fast"})
