@@ -27,6 +27,9 @@ With jaxembed's native kernels built (`jaxembed.kernels.native.available()`), th
 sort benchmarks run again through them (`gather_rows` + `apply_rows` in place, less its
 sort; `dedup_rows`'s radix sort) and give the `cpu-native` constants (the link is the same).
 
+The command line tunes glibc's malloc first (`jaxembed.host.tune_malloc`), as the `jaxembed`
+command and the benchmarks run.
+
 A fit whose time does not grow with the size (a machine too busy to measure) keeps that
 constant's default and says so: a negative bandwidth would only mislead every later plan.
 The constants are saved with `jaxembed.plan.cost.save_constants` and every later plan on this
@@ -48,6 +51,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxembed import host
 from jaxembed.plan import cost
 
 __all__ = ["calibrate", "main", "run"]
@@ -302,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-save", action="store_true", help="print the constants, save nothing")
     p.add_argument("--repeats", type=int, metavar="N", help="timed calls per point (default 15)")
     args = p.parse_args(argv)
+    host.tune_malloc(warn=False)  # measured as the jaxembed command and the benchmarks run
     return run(save=not args.no_save, repeats=args.repeats)
 
 
