@@ -9,9 +9,8 @@ if "jax" not in sys.modules:  # 8 CPU devices, before jax starts
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
     from jaxembed import host
 
-    host.tune_malloc(
-        warn=False
-    )  # XLA's per-step buffers kept for reuse (JAXEMBED_MALLOC=default: not)
+    # XLA's per-step buffers kept for reuse (JAXEMBED_MALLOC=default: glibc's defaults)
+    host.tune_malloc(warn=False)
 
 from benchmarks import main
 
