@@ -83,3 +83,19 @@ def test_jaxembed_malloc_default_declines_and_a_bad_value_is_named(monkeypatch):
     assert host.tune_malloc() is False
     with pytest.raises(ValueError, match=r"JAXEMBED_MALLOC='fast' must be 'tuned' or 'default'"):
         host.host_env({"JAXEMBED_MALLOC": "fast"})
+
+
+def test_the_launcher_and_the_bench_start_their_processes_tuned(monkeypatch, capsys):
+    from benchmarks.recsys import bench as recsys
+    from jaxembed import launch
+
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv("JAXEMBED_MALLOC", raising=False)
+    show = ["-c", "import os; print(os.environ.get('GLIBC_TUNABLES'))"]
+    assert launch.launch(show, processes=1, devices_per_process=1) == 0
+    assert capsys.readouterr().out.strip() == "[p0] " + host.host_env({})["GLIBC_TUNABLES"]
+    assert launch.launch(show, processes=1, devices_per_process=1,
+                         env={"JAXEMBED_MALLOC": "default"}) == 0  # fmt: skip
+    assert capsys.readouterr().out.strip() == "[p0] None"
+    assert recsys._env(8, "tuned")["GLIBC_TUNABLES"] == host.host_env({})["GLIBC_TUNABLES"]
+    assert "GLIBC_TUNABLES" not in recsys._env(8, "default")

@@ -193,7 +193,6 @@ def _jaxembed(workload: W.Workload, n: int, lr: float, eps: float, *, impl: str,
     tables = [TableConfig(t.name, t.rows, t.dim, placement=placement, row_sharding=rows_by)
               for t in workload.tables]  # fmt: skip
     features = [FeatureConfig(f.name, f.table, max_ids=f.max_ids) for f in workload.features]
-    placements = None
     if (placement == "auto" or name.endswith("planned]")) and n > 1:  # one device: no plan
         from jaxembed.plan.idstats import id_stats
 
@@ -204,8 +203,10 @@ def _jaxembed(workload: W.Workload, n: int, lr: float, eps: float, *, impl: str,
         plan = jaxembed.plan_collection(tables, features, mesh, batch_size=workload.batch_size,
                                         memory_per_device=budget,
                                         id_stats=id_stats(sample, features))  # fmt: skip
-        placements, exchange = plan.placements, plan.exchanges
-    layout = layout_collection(tables, features, mesh, placements)
+        # its tables carry the placement and the row sharding it chose (`plan.placements`, the
+        # placement alone, would leave a table it splits by mod rows by block rows)
+        tables, exchange = list(plan.table_configs), plan.exchanges
+    layout = layout_collection(tables, features, mesh)
     opt = jaxembed.optim.rowwise_adagrad(lr, eps=eps)
     info = {"impl": impl, "exchange": exchange, "layout": str(layout),
             **_plan_info(layout, workload, mesh, exchange, impl)}  # fmt: skip
