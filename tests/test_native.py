@@ -146,6 +146,61 @@ def test_bag_scatter_add_matches_xla(dtype):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pool_sum_pieces_reads_the_pieces_in_place(dtype):
+    """A table as n pieces f[C, H] (an all_to_all's results): the same sums as `pool_sum` of
+    their concatenation, bitwise, and as float64; the slots' rows span every piece."""
+    n, c = 5, 8  # R = 40 rows, row r in piece r // 8
+    table, local, valid, seg, scale = make_slots(20, 200, dtype=dtype)
+    local = np.where(valid, local * 3 + 1, local).astype(np.int32)  # rows in every piece
+    pieces = [table[j * c : (j + 1) * c] for j in range(n)]
+    got = jax.jit(native.pool_sum_pieces, static_argnums=5)(pieces, local, valid, seg, scale, S)
+    assert bitwise(got, native.pool_sum(table, local, valid, seg, scale, S))
+    assert bitwise(local_ops.pool_sum_pieces(pieces, local, valid, seg, scale, S),
+                   local_ops.pool_sum(table, local, valid, seg, scale, S))  # fmt: skip
+    want = np_pool_sum(np.asarray(table.astype(jnp.float32)), local, valid, seg, scale, S)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    read = np.clip(local[valid & (seg >= 0) & (seg < S)], 0, R - 1) // c
+    assert set(read.tolist()) == set(range(n))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_bag_scatter_add_pieces_writes_the_pieces_in_place(dtype):
+    """`bag_scatter_add` into n pieces f32[C, H]: each piece the matching rows of the one
+    f32[n·C, H] result, bitwise, natively and in the XLA twin, and the float64 sums."""
+    n, c = 4, 10
+    _, local, valid, seg, scale = make_slots(21, 150)
+    out_grad = jnp.asarray(np.random.default_rng(21).normal(size=(S, H)), dtype)
+    whole = native.bag_scatter_add((R, H), local, valid, seg, scale, out_grad)
+    f = jax.jit(native.bag_scatter_add_pieces, static_argnums=(0, 1))
+    got = f(n, (c, H), local, valid, seg, scale, out_grad)
+    xla = local_ops.bag_scatter_add_pieces(n, (c, H), local, valid, seg, scale, out_grad)
+    assert len(got) == len(xla) == n
+    for j in range(n):
+        assert bitwise(got[j], whole[j * c : (j + 1) * c]) and bitwise(got[j], xla[j])
+    og = np.asarray(out_grad.astype(jnp.float32), np.float64)
+    want = np.zeros((R, H))
+    for i in np.flatnonzero(valid & (seg >= 0) & (seg < S)):
+        if 0 <= local[i] < R:
+            want[local[i]] += scale[i] * og[seg[i]]
+    np.testing.assert_allclose(np.concatenate(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_pieces_errors_name_the_value():
+    table, local, valid, seg, scale = make_slots(22, 10)
+    with pytest.raises(ValueError, match=r"piece 1 is float32\[7, 8\], piece 0 float32\[8, 8\]"):
+        native.pool_sum_pieces([table[:8], table[8:15]], local, valid, seg, scale, S)
+    with pytest.raises(TypeError, match="piece 0 must be a 2-D float32 or bfloat16"):
+        native.pool_sum_pieces([table.astype(jnp.int32)], local, valid, seg, scale, S)
+    with pytest.raises(ValueError, match="num_pieces must be >= 1, got 0"):
+        native.bag_scatter_add_pieces(0, (8, H), local, valid, seg, scale, jnp.ones((S, H)))
+    # the kernel's own check, past the Python side: pieces of two shapes
+    call = jax.ffi.ffi_call("jaxembed_pool_sum_pieces", jax.ShapeDtypeStruct((S, H), jnp.float32))
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"table piece 1 has shape \[7, 8\]"):
+        jax.block_until_ready(call(local, valid, seg, scale, table[:8], table[8:15],
+                                   num_threads=np.int64(1)))  # fmt: skip
+
+
 @pytest.mark.parametrize("hidden", [64, 100])  # 64-column register blocks, then 16, then a tail
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_wide_rows(hidden, dtype):

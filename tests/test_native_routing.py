@@ -10,6 +10,8 @@ on 8 devices: the same values, gradients and `routed_fallback`, equal to the flo
 through the fallback too, with the plan's collectives in the compiled program.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -261,3 +263,68 @@ def test_adversarial_skew_falls_back_exactly_natively():
             assert int(stats.routed_fallback) == fell, (row_sharding, impl)
             outs.append(np.asarray(out))
         np.testing.assert_array_equal(*outs)
+
+
+def _all_to_all_copies(hlo: str) -> tuple[int, int]:
+    """In a compiled program: `(sliced, joined)`, the float `all_to_all`s' operands that
+    XLA made by slicing (anything but a custom call's result, or a bitcast of one), and the instructions other than
+    custom calls that take two or more results of one float `all_to_all` (a concatenation,
+    fused or not)."""
+    lines = {}
+    for m in re.finditer(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*)$", hlo, re.M):
+        lines[m.group(1)] = m.group(2)
+
+    def operands(rest):
+        call = re.search(r"[a-z\-]+\((.*?)\)(?:,|$)", rest.split(" metadata=")[0])
+        return re.findall(r"%([\w.\-]+)", call.group(1)) if call else []
+
+    def custom(name):
+        rest = lines.get(name, "")
+        if "get-tuple-element(" in rest or " bitcast(" in rest:  # no copy: follow it
+            return custom(operands(rest)[0])
+        return "custom-call(" in rest
+
+    floats = {n for n, r in lines.items() if "all-to-all(" in r and r.lstrip("(").startswith("f")}
+    sliced = sum(not custom(o) for n in floats for o in operands(lines[n]))
+    of = {n: operands(r)[0] for n, r in lines.items() if "get-tuple-element(" in r}
+    joined = 0
+    for _n, rest in lines.items():
+        if "custom-call(" in rest or "all-to-all(" in rest:
+            continue
+        sources = [of.get(o) for o in operands(rest) if of.get(o) in floats]
+        joined += any(sources.count(a) > 1 for a in set(sources))
+    return sliced, joined
+
+
+def test_bag_rows_cross_the_all_to_all_in_pieces():
+    """XLA:CPU runs an `all_to_all` on n separate buffers, slicing its operand and
+    concatenating its results. The native routed bag gathers each owner's rows as one buffer,
+    pools the received pieces in place (`pool_sum_pieces`) and sums the gradients into pieces
+    (`bag_scatter_add_pieces`): no float all_to_all operand is sliced, and of its results only
+    the owner's gradients, which the update reads whole, are joined. XLA's kernels slice
+    and join both."""
+    mesh = make_mesh((8,), AxisType.Explicit)
+    rng = np.random.default_rng(3)
+    table = rng.normal(size=(64, 8)).astype(np.float32)  # VOCAB rows, padded to split
+    x = rng.integers(0, VOCAB, size=(64, 6)).astype(np.int32)
+    ct = rng.normal(size=(64, 8)).astype(np.float32)
+    copies = {}
+    for impl in ("native", "xla"):
+        kw = dict(vocab_size=VOCAB, exchange="routed", routed_pool="source", impl=impl,
+                  x_spec=P("model"), weight_spec=P("model", None))  # fmt: skip
+
+        def step(x, t, ct, kw=kw):
+            out, vjp = jax.vjp(lambda t: jaxembed.embedding_bag(x, t, **kw), t)
+            return out, vjp(ct)[0]
+
+        args = put(x, mesh, P("model")), put(table, mesh, P("model", None)), put(ct, mesh,
+                                                                                  P("model"))  # fmt: skip
+        compiled = jax.jit(step).lower(*args).compile()
+        copies[impl] = _all_to_all_copies(compiled.as_text())
+        out, grad = (np.asarray(a) for a in compiled(*args))
+        np.testing.assert_allclose(out, embedding_bag_reference(table, x, vocab_size=VOCAB),
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+        ref_grad = embedding_bag_grad_reference(table, x, vocab_size=VOCAB, out_grad=ct)
+        np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-5)
+    assert copies["native"] == (0, 1), copies
+    assert copies["xla"][0] >= 16 and copies["xla"][1] >= 2, copies

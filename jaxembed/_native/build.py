@@ -63,9 +63,11 @@ TARGETS = {
     # FFI target name -> exported handler symbol in embedding_kernels.cc
     "jaxembed_gather_rows": "JaxembedGatherRows",
     "jaxembed_pool_sum": "JaxembedPoolSum",
+    "jaxembed_pool_sum_pieces": "JaxembedPoolSumPieces",
     "jaxembed_pool_max": "JaxembedPoolMax",
     "jaxembed_scatter_add": "JaxembedScatterAdd",
     "jaxembed_bag_scatter_add": "JaxembedBagScatterAdd",
+    "jaxembed_bag_scatter_add_pieces": "JaxembedBagScatterAddPieces",
     "jaxembed_dedup_rows": "JaxembedDedupRows",
     "jaxembed_bucket_ids": "JaxembedBucketIds",
     "jaxembed_apply_rows": "JaxembedApplyRows",

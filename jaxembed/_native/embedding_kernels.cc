@@ -298,9 +298,25 @@ void ForEachSegment(int64_t M, int64_t S, const int32_t* seg, const bool* valid,
 
 // ---- pool_sum ---------------------------------------------------------------------------------
 
+// Where row r of a pooled table lives: one f[R, H] buffer, or the n pieces f[C, H] of a
+// tuple all_to_all's results, row r in piece r / C (read in place, never concatenated).
 template <class T>
-struct SumVisitor {
+struct DenseRows {
   const T* table;
+  int64_t H;
+  const T* Row(int64_t r) const { return table + r * H; }
+};
+
+template <class T>
+struct PieceRows {
+  const T* const* pieces;
+  int64_t C, H;
+  const T* Row(int64_t r) const { return pieces[r / C] + (r % C) * H; }
+};
+
+template <class T, class Rows = DenseRows<T>>
+struct SumVisitor {
+  Rows tab;
   int64_t R, H, M;
   const int32_t* local;
   const float* scale;
@@ -308,7 +324,7 @@ struct SumVisitor {
 
   template <class Get>
   void Bag(int64_t s, int64_t a, int64_t b, const Get& get) const {
-    const T* tab = table;
+    const Rows t = tab;
     const int64_t rows = R, h = H, m = M;
     const int32_t* loc = local;
     const float* sc = scale;
@@ -316,9 +332,9 @@ struct SumVisitor {
       const int64_t i = get(k);
       if (i < 0 || rows == 0) return false;
       if (i + kPrefetchDistance < m) {  // slot order: the next bags' rows
-        PrefetchRow(tab + ClampRow(loc[i + kPrefetchDistance], rows) * h, h * sizeof(T));
+        PrefetchRow(t.Row(ClampRow(loc[i + kPrefetchDistance], rows)), h * sizeof(T));
       }
-      *row = tab + ClampRow(loc[i], rows) * h;
+      *row = t.Row(ClampRow(loc[i], rows));
       *f = sc[i];
       return true;
     });
@@ -343,8 +359,62 @@ ffi::Error PoolSumImpl(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> local,
   Team team(ThreadsFor(num_threads, std::max(M, S)));
   DispatchFloat(table.element_type(), [&](auto zero) {
     using T = decltype(zero);
-    SumVisitor<T> v{static_cast<const T*>(table.untyped_data()), R, H, M, local.typed_data(),
-                    scale.typed_data(), out->typed_data()};
+    SumVisitor<T> v{{static_cast<const T*>(table.untyped_data()), H}, R, H, M,
+                    local.typed_data(), scale.typed_data(), out->typed_data()};
+    ForEachSegment(M, S, segments.typed_data(), valid.typed_data(), team, v);
+  });
+  return ffi::Error::Success();
+}
+
+// The pieces f[C, H] of a table (all one shape and dtype): their data pointers, or an error.
+ffi::Error CheckPieces(const char* k, const char* what, ffi::RemainingArgs pieces,
+                       std::vector<const void*>* data, int64_t* C, int64_t* H,
+                       ffi::DataType* type) {
+  if (pieces.size() == 0) return Invalid(k, std::string("no ") + what);
+  for (size_t j = 0; j < pieces.size(); ++j) {
+    auto piece = pieces.get<ffi::AnyBuffer>(j);
+    if (!piece.has_value()) return Invalid(k, std::string("cannot decode ") + what);
+    if (auto e = CheckMatrix(k, what, *piece); e.failure()) return e;
+    if (j == 0) {
+      *C = piece->dimensions()[0], *H = piece->dimensions()[1], *type = piece->element_type();
+    } else if (piece->dimensions()[0] != *C || piece->dimensions()[1] != *H ||
+               piece->element_type() != *type) {
+      return Invalid(k, std::string(what) + " " + std::to_string(j) + " has shape " +
+                            Dims(piece->dimensions()) + " but the first is [" +
+                            std::to_string(*C) + ", " + std::to_string(*H) +
+                            "]: every piece must have one shape and dtype");
+    }
+    data->push_back(piece->untyped_data());
+  }
+  return ffi::Error::Success();
+}
+
+// pool_sum over a table held as n pieces f[C, H] (row r: piece r / C), read in place.
+ffi::Error PoolSumPiecesImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> valid,
+                             ffi::Buffer<ffi::S32> segments, ffi::Buffer<ffi::F32> scale,
+                             ffi::RemainingArgs pieces, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                             int64_t num_threads) {
+  constexpr const char* k = "pool_sum_pieces";
+  if (auto e = CheckThreads(k, num_threads); e.failure()) return e;
+  if (auto e = CheckSlots(k, local, valid, &segments, &scale); e.failure()) return e;
+  std::vector<const void*> data;
+  int64_t C = 0, H = 0;
+  ffi::DataType type{};
+  if (auto e = CheckPieces(k, "table piece", pieces, &data, &C, &H, &type); e.failure()) return e;
+  const int64_t R = C * static_cast<int64_t>(data.size()), M = local.element_count();
+  if (out->dimensions().size() != 2 || out->dimensions()[1] != H) {
+    return Invalid(k, "out has shape " + Dims(out->dimensions()) + ", expected [S, " +
+                          std::to_string(H) + "]");
+  }
+  const int64_t S = out->dimensions()[0];
+  if (S * H == 0) return ffi::Error::Success();
+  Team team(ThreadsFor(num_threads, std::max(M, S)));
+  DispatchFloat(type, [&](auto zero) {
+    using T = decltype(zero);
+    std::vector<const T*> typed(data.size());
+    for (size_t j = 0; j < data.size(); ++j) typed[j] = static_cast<const T*>(data[j]);
+    SumVisitor<T, PieceRows<T>> v{{typed.data(), C, H}, R, H, M, local.typed_data(),
+                                  scale.typed_data(), out->typed_data()};
     ForEachSegment(M, S, segments.typed_data(), valid.typed_data(), team, v);
   });
   return ffi::Error::Success();
@@ -420,22 +490,30 @@ ffi::Error PoolMaxImpl(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> local,
 // [R·t/T, R·(t+1)/T): it zeroes them and adds the slots that land there, so every row is
 // written by one thread in slot order. Rows as XLA's scatter with mode="drop": a negative row
 // counts from the end, one outside [0, R) after that is dropped.
-template <class GradOf>
-void ScatterRows(int64_t R, int64_t H, const int32_t* local, const bool* valid, int64_t M,
-                 float* out, int64_t num_threads, const GradOf& grad_of) {
+// The same into rows held anywhere: row r is row_at(r) (H floats; e.g. piece r / C).
+template <class RowAt, class GradOf>
+void ScatterRowsTo(int64_t R, int64_t H, const int32_t* local, const bool* valid, int64_t M,
+                   const RowAt& row_at, int64_t num_threads, const GradOf& grad_of) {
   Team team(ThreadsFor(num_threads, std::max(M, R), 65536));
   const int threads = team.size();
   team.Run([&](int t) {
     const int64_t lo = PartStart(R, threads, t), hi = PartStart(R, threads, t + 1);
-    std::memset(out + lo * H, 0, (hi - lo) * H * sizeof(float));
+    for (int64_t r = lo; r < hi; ++r) std::memset(row_at(r), 0, H * sizeof(float));
     for (int64_t i = 0; i < M; ++i) {
       if (!valid[i]) continue;
       int64_t r = local[i];
       if (r < 0) r += R;
       if (r < lo || r >= hi) continue;
-      grad_of(i, out + r * H);
+      grad_of(i, row_at(r));
     }
   });
+}
+
+template <class GradOf>
+void ScatterRows(int64_t R, int64_t H, const int32_t* local, const bool* valid, int64_t M,
+                 float* out, int64_t num_threads, const GradOf& grad_of) {
+  ScatterRowsTo(R, H, local, valid, M, [=](int64_t r) { return out + r * H; }, num_threads,
+                grad_of);
 }
 
 ffi::Error ScatterAddImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> valid,
@@ -494,6 +572,49 @@ ffi::Error BagScatterAddImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED>
                   const float a = sc[i];
                   for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + ToF32(row[h]) * a;
                 });
+  });
+  return ffi::Error::Success();
+}
+
+// bag_scatter_add into n pieces f32[C, H] (row r: piece r / C), the buffers a tuple
+// all_to_all sends as they are (never sliced out of one f32[n·C, H]).
+ffi::Error BagScatterAddPiecesImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> valid,
+                                   ffi::Buffer<ffi::S32> segments, ffi::Buffer<ffi::F32> scale,
+                                   ffi::AnyBuffer out_grad, ffi::RemainingRets pieces,
+                                   int64_t num_threads) {
+  constexpr const char* k = "bag_scatter_add_pieces";
+  if (auto e = CheckThreads(k, num_threads); e.failure()) return e;
+  if (auto e = CheckSlots(k, local, valid, &segments, &scale); e.failure()) return e;
+  if (auto e = CheckMatrix(k, "out_grad", out_grad); e.failure()) return e;
+  if (pieces.size() == 0) return Invalid(k, "no output pieces");
+  std::vector<float*> data;
+  int64_t C = 0;
+  const int64_t H = out_grad.dimensions()[1], S = out_grad.dimensions()[0];
+  for (size_t j = 0; j < pieces.size(); ++j) {
+    auto piece = pieces.get<ffi::Buffer<ffi::F32>>(j);
+    if (!piece.has_value()) return Invalid(k, "every output piece must be float32");
+    const auto dims = (*piece)->dimensions();
+    if (j == 0 && dims.size() == 2) C = dims[0];
+    if (auto e = CheckShape(k, "an output piece", dims, {C, H}); e.failure()) return e;
+    data.push_back((*piece)->typed_data());
+  }
+  const int64_t R = C * static_cast<int64_t>(data.size()), M = local.element_count();
+  if (R * H == 0) return ffi::Error::Success();
+  const int32_t* seg = segments.typed_data();
+  const float* sc = scale.typed_data();
+  float* const* rows = data.data();
+  auto row_at = [=](int64_t r) { return rows[r / C] + (r % C) * H; };
+  DispatchFloat(out_grad.element_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T* og = static_cast<const T*>(out_grad.untyped_data());
+    ScatterRowsTo(R, H, local.typed_data(), valid.typed_data(), M, row_at, num_threads,
+                  [&](int64_t i, float* __restrict acc) {
+                    const int64_t s = seg[i];
+                    if (s < 0 || s >= S) return;  // a slot in no bag: no gradient
+                    const T* __restrict row = og + s * H;
+                    const float a = sc[i];
+                    for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + ToF32(row[h]) * a;
+                  });
   });
   return ffi::Error::Success();
 }
@@ -1013,6 +1134,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedPoolSum, jaxembed::Safe<jaxembed::PoolSumI
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("num_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedPoolSumPieces,
+                              jaxembed::Safe<jaxembed::PoolSumPiecesImpl>::Call,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("num_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedBagScatterAddPieces,
+                              jaxembed::Safe<jaxembed::BagScatterAddPiecesImpl>::Call,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingRets()
                                   .Attr<int64_t>("num_threads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedPoolMax, jaxembed::Safe<jaxembed::PoolMaxImpl>::Call,

@@ -250,9 +250,9 @@ def _routed_pool(plan: EmbeddingPlan, bags: Bags, table: jax.Array):
         return out, work_counts(plan, o.here.shape[0], jnp.sum(o.here))  # pooled as owner
 
     def routed(_):
-        back, reads = routed_ops.fetch_rows(plan, table, buckets)  # f[n_S·C, H/K]
+        back, reads = routed_ops.fetch_pieces(plan, table, buckets)  # n_S × f[C, H/K]
         place, fits = routed_ops.places(buckets)  # each slot's row of `back` (float rows)
-        pooled = kernels_for(plan).pool_sum(
+        pooled = kernels_for(plan).pool_sum_pieces(
             back, place, s.here & fits, s.segment, s.scale, s.num_segments
         )
         out = _out_shape(plan, bags, pooled.astype(table.dtype))
@@ -365,9 +365,9 @@ def exchanged_slot_grads(plan: EmbeddingPlan, bags: Bags, out_grad, winners, con
             place, fits = routed_ops.places(buckets)
             n, c = buckets.send.shape
             og = out_grad.reshape(-1, out_grad.shape[-1])  # f[GB, H/K]
-            summed = kernels_for(plan).bag_scatter_add(
-                (n * c, og.shape[-1]), place, s.here & fits, s.segment, s.scale, og
-            )  # f32[n_S·C, H/K]
+            summed = kernels_for(plan).bag_scatter_add_pieces(
+                n, (c, og.shape[-1]), place, s.here & fits, s.segment, s.scale, og
+            )  # n_S × f32[C, H/K], one per owner
             owner_ids, summed = routed_ops.send_grads(plan, buckets, summed)
             local, here = local_ops.local_rows(plan, owner_ids)
             return consume(local, here & (owner_ids >= 0), summed)

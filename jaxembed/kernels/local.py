@@ -17,6 +17,7 @@ Row sharding. A table split over R mesh axes (n shards) holds, on shard s:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -24,12 +25,14 @@ import jax.numpy as jnp
 
 __all__ = [
     "bag_scatter_add",
+    "bag_scatter_add_pieces",
     "bucket_ids",
     "gather_rows",
     "local_rows",
     "owner_of",
     "pool_max",
     "pool_sum",
+    "pool_sum_pieces",
     "reads_a_row",
     "scaled_bag_grads",
     "scatter_add",
@@ -107,6 +110,20 @@ def pool_sum(
     rows = rows * scale[:, None]
     seg = jnp.where(valid & (segments >= 0), segments, num_segments)
     return jax.ops.segment_sum(rows, seg, num_segments=num_segments + 1)[:num_segments]
+
+
+def pool_sum_pieces(
+    pieces: Sequence[jax.Array],
+    local: jax.Array,
+    valid: jax.Array,
+    segments: jax.Array,
+    scale: jax.Array,
+    num_segments: int,
+) -> jax.Array:
+    """`pool_sum` over a table held as n pieces f[C, H], row r in piece r // C: the results
+    of an `all_to_all`, which XLA:CPU makes separate buffers (the native twin reads them in
+    place; here they are concatenated)."""
+    return pool_sum(jnp.concatenate(list(pieces)), local, valid, segments, scale, num_segments)
 
 
 def pool_max(
@@ -187,6 +204,23 @@ def bag_scatter_add(
       f32[V_local, H].
     """
     return scatter_add(shape, local, valid, scaled_bag_grads(segments, scale, out_grad))
+
+
+def bag_scatter_add_pieces(
+    num_pieces: int,
+    shape: tuple[int, int],
+    local: jax.Array,
+    valid: jax.Array,
+    segments: jax.Array,
+    scale: jax.Array,
+    out_grad: jax.Array,
+) -> list[jax.Array]:
+    """`bag_scatter_add` into `num_pieces` pieces f32[C, H] (`shape` is `(C, H)`), row r in
+    piece r // C: the operands of an `all_to_all`, which XLA:CPU would otherwise slice out
+    of one f32[n·C, H] (the native twin writes them in place)."""
+    c, h = shape
+    out = bag_scatter_add((num_pieces * c, h), local, valid, segments, scale, out_grad)
+    return list(out.reshape(num_pieces, c, h))
 
 
 def bucket_ids(

@@ -10,8 +10,10 @@ either; the collectives stay in JAX.
     native                      XLA twin
     gather_rows                 local.gather_rows
     pool_sum, pool_max          local.pool_sum, local.pool_max
+    pool_sum_pieces             local.pool_sum_pieces (the table as an all_to_all's pieces)
     scatter_add                 local.scatter_add
     bag_scatter_add             local.bag_scatter_add (local.scatter_add of bag slot grads)
+    bag_scatter_add_pieces      local.bag_scatter_add_pieces (into an all_to_all's pieces)
     dedup_rows                  sparse.dedup_rows
     bucket_ids                  local.bucket_ids (the routed exchange's bucketing by owner)
     apply_rows                  sparse.apply_rows (hidden_axes=() only)
@@ -71,12 +73,14 @@ __all__ = [
     "available",
     "bag_apply_rows",
     "bag_scatter_add",
+    "bag_scatter_add_pieces",
     "bucket_ids",
     "dedup_rows",
     "gather_rows",
     "num_threads",
     "pool_max",
     "pool_sum",
+    "pool_sum_pieces",
     "scatter_add",
     "supports_dtype",
     "why_unavailable",
@@ -219,6 +223,40 @@ def pool_sum(
     return _call("jaxembed_pool_sum", out, table, *args, num_threads=threads)
 
 
+def pool_sum_pieces(
+    pieces: Any,
+    local: jax.Array,
+    valid: jax.Array,
+    segments: jax.Array,
+    scale: jax.Array,
+    num_segments: int,
+) -> jax.Array:
+    """`pool_sum` over a table held as n pieces f[C, H], row r in piece r // C, read in
+    place: the results of an `all_to_all`, which XLA:CPU keeps as separate buffers (a
+    `jnp.concatenate` of them would be one more copy of every row). Same result as
+    `local.pool_sum_pieces`.
+
+    Args:
+      pieces: n arrays f[C, H], one shape and dtype.
+      local, valid, segments, scale, num_segments: as `pool_sum` (local < n·C).
+
+    Returns:
+      f32[num_segments, H].
+    """
+    threads = _require("pool_sum_pieces")
+    pieces = list(pieces)
+    for j, piece in enumerate(pieces):
+        _table("pool_sum_pieces", f"piece {j}", piece)
+        if piece.shape != pieces[0].shape or piece.dtype != pieces[0].dtype:
+            raise ValueError(f"pool_sum_pieces: piece {j} is {piece.dtype}{list(piece.shape)}, "
+                             f"piece 0 {pieces[0].dtype}{list(pieces[0].shape)}: pass pieces "
+                             "of one shape and dtype")  # fmt: skip
+    args = _slots("pool_sum_pieces", local, valid, ("segments", segments), ("scale", scale))
+    args[2], args[3] = args[2].astype(jnp.int32), args[3].astype(jnp.float32)
+    out = jax.ShapeDtypeStruct((int(num_segments), pieces[0].shape[1]), jnp.float32)
+    return _call("jaxembed_pool_sum_pieces", out, *args, *pieces, num_threads=threads)
+
+
 def pool_max(
     table: jax.Array,
     local: jax.Array,
@@ -294,6 +332,40 @@ def bag_scatter_add(
         raise ValueError(f"bag_scatter_add: out_grad {out_grad.shape} must have H={hidden} columns")
     out = jax.ShapeDtypeStruct((rows, hidden), jnp.float32)
     return _call("jaxembed_bag_scatter_add", out, *args, out_grad, num_threads=threads)
+
+
+def bag_scatter_add_pieces(
+    num_pieces: int,
+    shape: tuple[int, int],
+    local: jax.Array,
+    valid: jax.Array,
+    segments: jax.Array,
+    scale: jax.Array,
+    out_grad: jax.Array,
+) -> list[jax.Array]:
+    """`bag_scatter_add` into `num_pieces` pieces f32[C, H] (`shape` is `(C, H)`), row r in
+    piece r // C, written in place: the operands of an `all_to_all`, which XLA:CPU would
+    otherwise slice out of one f32[n·C, H] (one more copy of every row). Same result as
+    `local.bag_scatter_add_pieces`.
+
+    Returns:
+      A list of `num_pieces` arrays f32[C, H].
+    """
+    threads = _require("bag_scatter_add_pieces")
+    rows, hidden = (int(d) for d in shape)
+    if num_pieces < 1:
+        raise ValueError(f"bag_scatter_add_pieces: num_pieces must be >= 1, got {num_pieces}")
+    out_grad = _grads("bag_scatter_add_pieces", "out_grad", out_grad)
+    args = _slots("bag_scatter_add_pieces", local, valid, ("segments", segments),
+                  ("scale", scale))  # fmt: skip
+    args[2], args[3] = args[2].astype(jnp.int32), args[3].astype(jnp.float32)
+    if out_grad.shape[1] != hidden:
+        raise ValueError(
+            f"bag_scatter_add_pieces: out_grad {out_grad.shape} must have H={hidden} columns"
+        )
+    out = [jax.ShapeDtypeStruct((rows, hidden), jnp.float32)] * int(num_pieces)
+    return list(_call("jaxembed_bag_scatter_add_pieces", out, *args, out_grad,
+                      num_threads=threads))  # fmt: skip
 
 
 # --- dedup --------------------------------------------------------------------------------------

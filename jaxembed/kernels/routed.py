@@ -27,7 +27,7 @@ factor) in one `all_to_all` (`route_slots`); `jaxembed.kernels.bag` pools them a
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +40,7 @@ __all__ = [
     "Buckets",
     "bucket_slots",
     "bucketize",
+    "fetch_pieces",
     "fetch_rows",
     "overflowed",
     "places",
@@ -196,18 +197,34 @@ def route_rows(plan: EmbeddingPlan, table: jax.Array, buckets: Buckets, *, count
 
 def fetch_rows(plan: EmbeddingPlan, table: jax.Array, buckets: Buckets):
     """My distinct ids' rows, fetched from their owners, by place (`places`): `(f[n_S·C,
-    H/K], reads)`, with the rows this device read for its sources, i32[]. A bag pools them
-    straight from here (`pool_sum` with the places as rows), so no f[M, H] is built."""
+    H/K], reads)`, with the rows this device read for its sources, i32[]."""
+    pieces, reads = fetch_pieces(plan, table, buckets)
+    return jnp.concatenate(pieces), reads
+
+
+def fetch_pieces(plan: EmbeddingPlan, table: jax.Array, buckets: Buckets):
+    """`fetch_rows` as the n_S pieces f[C, H/K] the `all_to_all` returns, one per owner (row
+    `dest · C + pos` is row pos of piece dest): `(pieces, reads)`. A bag pools them where
+    they are (`pool_sum_pieces`), so neither an f[n_S·C, H] nor an f[M, H] is built.
+
+    XLA:CPU runs an `all_to_all` on n_S separate buffers: it slices its operand into them and
+    concatenates its results. With the native kernels each owner's rows are gathered as their
+    own buffer and the bag reads the results in place, so neither copy is made (measured in
+    `benchmarks/RESULTS.md`, "the routed exchange's pieces")."""
     recv = _to_owners(plan, buckets.send)  # i32[n_S, C] ids from each source
     local, valid = local_ops.local_rows(plan, recv)
     n, c = recv.shape
     reads = valid & (recv >= 0)
-    rows = kernels_for(plan, table).gather_rows(table, local.reshape(-1), reads.reshape(-1))
-    rows = rows.reshape(n, c, -1)  # f[n_S, C, H/K]
+    gather = kernels_for(plan, table).gather_rows
+    if plan.impl == "native":  # one buffer per source: the all_to_all sends them as they are
+        rows = jnp.stack([gather(table, local[j], reads[j]) for j in range(n)])
+    else:
+        rows = gather(table, local.reshape(-1), reads.reshape(-1)).reshape(n, c, -1)
+    # rows: f[n_S, C, H/K]
     if plan.routed.rest_axes:
         rows = jax.lax.psum(rows, plan.routed.rest_axes)  # the owners' other row shards
     back = _to_owners(plan, rows)  # f[n_S, C, H/K]: my ids' rows, by bucket and place
-    return back.reshape(n * c, -1), jnp.sum(reads, dtype=jnp.int32)
+    return [back[j] for j in range(n)], jnp.sum(reads, dtype=jnp.int32)
 
 
 def route_grads(
@@ -229,10 +246,13 @@ def route_grads(
     return send_grads(plan, buckets, summed)
 
 
-def send_grads(plan: EmbeddingPlan, buckets: Buckets, summed: jax.Array):
+def send_grads(plan: EmbeddingPlan, buckets: Buckets, summed: Any):
     """`(ids, grads)` at the owner from my distinct ids' summed gradients by place,
-    f32[n_S·C, H/K] (`route_grads`; a bag sums them fused, with `bag_scatter_add`)."""
+    f32[n_S·C, H/K] or its n_S pieces f32[C, H/K] (`route_grads`; a bag sums them fused
+    into pieces, with `bag_scatter_add_pieces`, that the `all_to_all` sends as they are)."""
     n, c = buckets.send.shape
     ids = _to_owners(plan, buckets.send).reshape(n * c)
+    if isinstance(summed, list | tuple):
+        summed = jnp.stack(list(summed))  # f32[n_S, C, H/K]
     summed = _to_owners(plan, summed.reshape(n, c, -1)).reshape(n * c, -1)
     return ids, summed
