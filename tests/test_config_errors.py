@@ -74,7 +74,7 @@ def test_a_dtype_that_is_not_a_float_dtype_is_a_type_error_naming_table_and_dtyp
         ({"dim": 2.5}, ValueError, r"table 'item': dim must be a positive int, got 2\.5"),
         ({"dim": True}, ValueError, r"table 'item': dim must be a positive int, got True"),
         ({"placement": "row"}, ValueError, r"table 'item': placement must be one of .*'row'"),
-        ({"row_sharding": "cyclic"}, ValueError, r"row_sharding must be 'block' or 'mod'"),
+        ({"row_sharding": "cyclic"}, ValueError, r"row_sharding must be one of .*'auto'.*'cyclic'"),
         ({"axes": 3}, TypeError, r"table 'item': axes must be None, a mesh axis name .*got 3"),
         ({"axes": ("data", 1)}, TypeError, r"table 'item': axes must be .*got \('data', 1\)"),
         ({"axes": ("model", "model")}, ValueError, r"axes \('model', 'model'\) name a mesh axis"),

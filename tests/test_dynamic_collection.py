@@ -271,6 +271,8 @@ def test_bad_dynamic_configs_name_the_value_and_the_fix():
         TableConfig("user", 16, H, placement="columns", dynamic=cfg)
     with pytest.raises(ValueError, match="row_sharding='block'"):
         TableConfig("user", 16, H, placement="rows", row_sharding="mod", dynamic=cfg)
+    # "auto" is the planner's choice, which for a dynamic table is always block rows
+    TableConfig("user", 16, H, placement="rows", row_sharding="auto", dynamic=cfg)
     with pytest.raises(TypeError, match="DynamicTableConfig"):
         TableConfig("user", 16, H, dynamic={"capacity": 16})
     odd = DynamicTableConfig(capacity=12, bucket_size=4)

@@ -23,6 +23,7 @@ import jaxembed.nnx
 from jaxembed import cli, hlo
 from jaxembed.collection import FeatureConfig, TableConfig, collection_update, layout_collection
 from jaxembed.kernels.collection import collection_lookup
+from jaxembed.optim import reference
 from jaxembed.plan.collection import parse_bytes, plan_collection
 from jaxembed.plan.idstats import id_stats
 from jaxembed.rowsharding import bucket_loads
@@ -383,3 +384,52 @@ def test_placements_auto_plans_when_the_collection_is_built():
     with pytest.raises(ValueError, match=r"planner=.* is for placements='auto'"):
         jaxembed.nnx.EmbeddingBagCollection(TABLES, FEATURES, mesh=mesh, planner=budget,
                                             rngs=nnx.Rngs(0))  # fmt: skip
+
+
+def test_row_sharding_auto_is_the_planners_choice():
+    """`row_sharding="auto"` on a table placed `"rows"` by its config: the planner gives it
+    mod rows for ids whose hot rows sit on one block shard, block rows for uniform ids and
+    without a sample; unplanned it is block rows; a fixed row sharding is kept. The module
+    built from the plan looks up and updates as the float64 reference."""
+    features = [FeatureConfig("clicked", "item", "sum", 8)]
+    auto = [TableConfig("item", 4096, 16, placement="rows", row_sharding="auto")]
+    rng = np.random.default_rng(5)
+    hot = id_stats([{"clicked": rng.integers(0, 400, (512, 8))} for _ in range(3)], features)
+    flat = id_stats([{"clicked": rng.integers(0, 4096, (512, 8))} for _ in range(3)], features)
+    mesh = jax.make_mesh((8,), ("model",))
+    kw = dict(batch_size=4096, memory_per_device="64MiB", backend="cpu")
+    got = {name: plan_collection(auto, features, mesh, id_stats=s, **kw).table_configs[0]
+           for name, s in (("hot", hot), ("flat", flat), ("none", None))}  # fmt: skip
+    assert {k: (t.placement, t.row_sharding) for k, t in got.items()} == {
+        "hot": ("rows", "mod"), "flat": ("rows", "block"), "none": ("rows", "block")}  # fmt: skip
+    assert layout_collection(auto, features, mesh).placement("item").row_sharding == "block"
+    fixed = [TableConfig("item", 4096, 16, placement="rows")]  # block, as configured
+    assert plan_collection(fixed, features, mesh, id_stats=hot, **kw).table_configs[0] == fixed[0]
+    with pytest.raises(ValueError, match=r"row_sharding must be one of \('block', 'mod', 'auto'\)"):
+        TableConfig("item", 4096, 16, row_sharding="hash")
+
+    batch = {"clicked": rng.integers(0, 400, (64, 8)).astype(np.int32)}
+    batch["clicked"][rng.random((64, 8)) < 0.2] = -1
+    cts = {"clicked": rng.normal(size=(64, 16)).astype(np.float32)}
+    with jax.set_mesh(mesh):
+        coll = jaxembed.nnx.EmbeddingBagCollection(
+            auto, features, placements="auto", rngs=nnx.Rngs(0),
+            planner=dict(batch_size=64, memory_per_device="64MiB", id_stats=hot),
+        )  # fmt: skip
+        assert coll.layout.placement("item").row_sharding == "mod"
+        table = np.asarray(coll.tables()["item"], np.float64)
+        ids = jax.device_put(batch["clicked"], NamedSharding(mesh, P("model")))
+        out = np.asarray(coll({"clicked": ids})["clicked"])
+        opt = jaxembed.optim.rowwise_adagrad(0.1)
+        states = coll.init_optimizer(opt)
+        states = coll.apply_gradients(opt, states, {"clicked": ids}, cts)
+        new = np.asarray(coll.tables()["item"])
+    x = batch["clicked"]
+    want = np.stack([table[x[b][x[b] >= 0]].sum(0) for b in range(64)])
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    live = x >= 0
+    grads = np.repeat(np.asarray(cts["clicked"], np.float64)[:, None], 8, axis=1)[live]
+    ref, _ = reference.sparse_step(opt.formula, table,
+                                   reference.init_states(opt.formula, *table.shape),
+                                   x[live], grads, count=0)  # fmt: skip
+    np.testing.assert_allclose(new, ref, rtol=1e-5, atol=1e-6)

@@ -30,6 +30,7 @@ __all__ = [
     "DTYPES",
     "DYNAMIC_PLACEMENTS",
     "PLACEMENTS",
+    "ROW_SHARDINGS",
     "FeatureConfig",
     "TableConfig",
     "check_configs",
@@ -39,6 +40,8 @@ PLACEMENTS = ("replicated", "table", "rows", "columns", "table_rows", "auto")
 DYNAMIC_PLACEMENTS = ("rows", "table", "replicated", "auto")
 """A dynamic table's placements: its rows reset where they live, whole rows (block rows, one
 device's, or every device's), and its remap state split with them (`"rows"`) or whole."""
+ROW_SHARDINGS = ("block", "mod", "auto")
+"""A table's `row_sharding`: `"auto"` is the planner's choice from the ids (block without one)."""
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # a table's rows are trained: floats
 
 
@@ -84,7 +87,10 @@ class TableConfig:
         (`jaxembed.plan_collection`) choose.
       axes: the mesh axes the placement uses: default the whole mesh (for `"table_rows"`,
         `(across, within)`: default the mesh's first two axes).
-      row_sharding: `"block"` or `"mod"` for split rows (see `jaxembed.rowsharding`).
+      row_sharding: `"block"` or `"mod"` for split rows (see `jaxembed.rowsharding`), or
+        `"auto"`: `jaxembed.plan_collection` chooses from its `id_stats` (mod rows where the
+        sample's busiest block shard holds clearly more distinct ids), whatever the
+        placement; without a plan, or without a sample of the table's ids, block rows.
       initializer: a Flax initializer `(key, shape, dtype) -> array` (default: Flax's
         embedding initializer, as `nnx.Embed`).
       dtype: the parameter's dtype, one of `DTYPES` (`"float32"`, `"bfloat16"`,
@@ -129,9 +135,9 @@ class TableConfig:
                 f"table {self.name!r}: placement must be one of {PLACEMENTS}, got "
                 f"{self.placement!r}"
             )
-        if self.row_sharding not in ("block", "mod"):
+        if self.row_sharding not in ROW_SHARDINGS:
             raise ValueError(
-                f"table {self.name!r}: row_sharding must be 'block' or 'mod', got "
+                f"table {self.name!r}: row_sharding must be one of {ROW_SHARDINGS}, got "
                 f"{self.row_sharding!r}"
             )
         if self.initializer is not None and not callable(self.initializer):
@@ -163,7 +169,7 @@ class TableConfig:
                 f"or 'auto', got placement={self.placement!r} (its reset rows are written where "
                 "the rows live: in block rows, or whole on one device or on every device)"
             )
-        if self.row_sharding != "block":
+        if self.row_sharding == "mod":
             raise ValueError(
                 f"table {self.name!r}: a dynamic table's rows are split in blocks, got "
                 f"row_sharding={self.row_sharding!r}: pass row_sharding='block'"

@@ -332,7 +332,9 @@ def layout_collection(
             for s in shards:
                 fill[s] = offset + per_shard
             rows_of[name] = per_shard
-            row_sharding = t.row_sharding if len(shards) > 1 else "block"
+            # "auto" is the planner's to resolve (`plan.table_configs`); unplanned, block rows
+            split = len(shards) > 1 and t.row_sharding != "auto"
+            row_sharding = t.row_sharding if split else "block"
             rotation = mods % len(shards) if row_sharding == "mod" else 0
             mods += row_sharding == "mod"
             table_placements[name] = TablePlacement(

@@ -231,10 +231,13 @@ def _choices(t: TableConfig, sizes: dict[str, int]) -> list[str]:
 
 
 def _row_sharding(ctx: Context, t: TableConfig, placement: str) -> str:
-    """Mod rows where the sample's busiest block shard holds clearly more (>10%)."""
+    """Mod rows where the sample's busiest block shard holds clearly more (>10%); a table
+    without a sample keeps its own, `"auto"` block (a dynamic table's rows are in blocks)."""
     stats = ctx.stats
-    if stats is None or placement not in ("rows", "table_rows") or t.name not in stats.samples:
-        return t.row_sharding
+    own = "block" if t.row_sharding == "auto" else t.row_sharding
+    if (stats is None or placement not in ("rows", "table_rows") or t.dynamic is not None
+            or t.name not in stats.samples):  # fmt: skip
+        return own
     axes = t.axes or tuple(a for a, s in ctx.sizes.items() if s > 1)
     if placement == "table_rows":  # rows over `within`, the second of (across, within)
         axes = (t.axes or tuple(ctx.sizes))[1:2]
@@ -388,9 +391,13 @@ def plan_collection(
     current = {t.name: "rows" if "rows" in _choices(t, sizes) else "replicated" for t in auto}
 
     def configs(choice: Mapping[str, str]) -> list[TableConfig]:
-        return [dataclasses.replace(t, placement=choice[t.name],
-                                    row_sharding=_row_sharding(ctx, t, choice[t.name]))
-                if t.name in choice else t for t in tables]  # fmt: skip
+        # the planner's placements, and the row sharding of every table it places or that
+        # leaves its row sharding to it ("auto")
+        return [dataclasses.replace(t, placement=choice.get(t.name, t.placement),
+                                    row_sharding=_row_sharding(ctx, t, choice.get(t.name,
+                                                                                  t.placement)))
+                if t.name in choice or t.row_sharding == "auto" else t
+                for t in tables]  # fmt: skip
 
     def price(choice: Mapping[str, str]) -> LayoutCost | str:
         try:
