@@ -309,10 +309,18 @@ struct DenseRows {
 
 template <class T>
 struct PieceRows {
-  const T* const* pieces;
-  int64_t C, H;
-  const T* Row(int64_t r) const { return pieces[r / C] + (r % C) * H; }
+  const T* const* rows;  // R pointers, row r's (no division per slot)
+  const T* Row(int64_t r) const { return rows[r]; }
 };
+
+// Each row's address in n pieces of C rows, H wide: row r is row r % C of piece r / C.
+template <class T>
+std::vector<T*> RowsOfPieces(const std::vector<T*>& pieces, int64_t C, int64_t H) {
+  std::vector<T*> rows(pieces.size() * static_cast<size_t>(C));
+  for (size_t j = 0; j < pieces.size(); ++j)
+    for (int64_t c = 0; c < C; ++c) rows[j * C + c] = pieces[j] + c * H;
+  return rows;
+}
 
 template <class T, class Rows = DenseRows<T>>
 struct SumVisitor {
@@ -413,7 +421,8 @@ ffi::Error PoolSumPiecesImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED>
     using T = decltype(zero);
     std::vector<const T*> typed(data.size());
     for (size_t j = 0; j < data.size(); ++j) typed[j] = static_cast<const T*>(data[j]);
-    SumVisitor<T, PieceRows<T>> v{{typed.data(), C, H}, R, H, M, local.typed_data(),
+    const std::vector<const T*> rows = RowsOfPieces(typed, C, H);
+    SumVisitor<T, PieceRows<T>> v{{rows.data()}, R, H, M, local.typed_data(),
                                   scale.typed_data(), out->typed_data()};
     ForEachSegment(M, S, segments.typed_data(), valid.typed_data(), team, v);
   });
@@ -602,8 +611,9 @@ ffi::Error BagScatterAddPiecesImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi:
   if (R * H == 0) return ffi::Error::Success();
   const int32_t* seg = segments.typed_data();
   const float* sc = scale.typed_data();
-  float* const* rows = data.data();
-  auto row_at = [=](int64_t r) { return rows[r / C] + (r % C) * H; };
+  const std::vector<float*> row_table = RowsOfPieces(data, C, H);
+  float* const* rows = row_table.data();
+  auto row_at = [=](int64_t r) { return rows[r]; };
   DispatchFloat(out_grad.element_type(), [&](auto zero) {
     using T = decltype(zero);
     const T* og = static_cast<const T*>(out_grad.untyped_data());
