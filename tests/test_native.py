@@ -361,6 +361,16 @@ def test_apply_rows_matches_xla_every_formula(name):
         np.testing.assert_allclose(got[0], ref_w, rtol=2e-4, atol=2e-5)
         for g, w in zip(got[1], ref_s, strict=True):
             np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
+        # the gradients as an all_to_all's 6 pieces of 15 slots, read in place: the same
+        pieces = [grads[j * 15 : (j + 1) * 15] for j in range(6)]
+        apart = jax.jit(native.apply_rows_pieces, static_argnums=0,
+                        static_argnames="hidden_size")  # fmt: skip
+        split = apart(formula, table, state, jnp.int32(count), local, valid, pieces, hidden_size=H)
+        pairs = zip(jax.tree.leaves(split), jax.tree.leaves(got), strict=True)
+        assert all(bitwise(a, b) for a, b in pairs)
+    with pytest.raises(ValueError, match=r"piece 0 has shape \(16, 8\); 6 pieces for M=90"):
+        native.apply_rows_pieces(formula, table, state, 0, local, valid,
+                                 [grads[:16]] * 6, hidden_size=H)  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ import jaxembed
 from jaxembed.kernels import local as local_ops
 from jaxembed.kernels import native
 from jaxembed.kernels.select import kernels_for
+from jaxembed.optim import reference
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason=f"native kernels unavailable: {native.why_unavailable()}"
@@ -300,9 +301,10 @@ def test_bag_rows_cross_the_all_to_all_in_pieces():
     """XLA:CPU runs an `all_to_all` on n separate buffers, slicing its operand and
     concatenating its results. The native routed bag gathers each owner's rows as one buffer,
     pools the received pieces in place (`pool_sum_pieces`) and sums the gradients into pieces
-    (`bag_scatter_add_pieces`): no float all_to_all operand is sliced, and of its results only
-    the owner's gradients, which the update reads whole, are joined. XLA's kernels slice
-    and join both."""
+    (`bag_scatter_add_pieces`): no float all_to_all operand is sliced and none of its results is
+    joined (the owner's gradients are joined here, for the table's gradient, by the scatter
+    that makes it: `test_update_reads_the_gradient_pieces_in_place`). XLA's kernels slice and
+    join both."""
     mesh = make_mesh((8,), AxisType.Explicit)
     rng = np.random.default_rng(3)
     table = rng.normal(size=(64, 8)).astype(np.float32)  # VOCAB rows, padded to split
@@ -328,3 +330,41 @@ def test_bag_rows_cross_the_all_to_all_in_pieces():
         np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-5)
     assert copies["native"] == (0, 1), copies
     assert copies["xla"][0] >= 16 and copies["xla"][1] >= 2, copies
+
+
+def test_update_reads_the_gradient_pieces_in_place():
+    """The routed bag's row-sparse update: the sources sum their gradients into pieces, the
+    owners update from the pieces they receive (`apply_rows_pieces`): no float all_to_all
+    operand sliced, none of its results joined; XLA's kernels do both. Both equal the float64
+    reference (table and accumulator)."""
+    mesh = make_mesh((8,), AxisType.Explicit)
+    rng = np.random.default_rng(4)
+    table = rng.normal(size=(64, 8)).astype(np.float32)
+    x = rng.integers(0, VOCAB, size=(64, 6)).astype(np.int32)
+    x[rng.random(x.shape) < 0.25] = -1
+    ct = rng.normal(size=(64, 8)).astype(np.float32)
+    opt = jaxembed.optim.rowwise_adagrad(0.1)
+    copies = {}
+    for impl in ("native", "xla"):
+        kw = dict(vocab_size=VOCAB, combiner="sum", exchange="routed", routed_pool="source",
+                  impl=impl, x_spec=P("model"), weight_spec=P("model", None))  # fmt: skip
+        t = put(table, mesh, P("model", None))
+        args = (t, opt.init(t), put(x, mesh, P("model")), put(ct, mesh, P("model")))
+        update = jax.jit(lambda t, s, x, g, kw=kw: opt.update(t, s, x, g, **kw))
+        compiled = update.lower(*args).compile()
+        copies[impl] = _all_to_all_copies(compiled.as_text())
+        new_t, new_state = compiled(*args)
+        assert int(new_state.routed_fallbacks) == 0
+        slots = [a for a in jax.tree.leaves(new_state) if a.shape[:1] == (64,)]
+        ids = np.concatenate([b[b >= 0] for b in x])
+        grads = np.concatenate([np.repeat(ct[b][None], (x[b] >= 0).sum(), 0)
+                                for b in range(64)]).astype(np.float64)  # fmt: skip
+        ref_t, ref_s = reference.sparse_step(
+            opt.formula, table[:VOCAB].astype(np.float64),
+            reference.init_states(opt.formula, VOCAB, 8), ids, grads, count=0,
+        )  # fmt: skip
+        np.testing.assert_allclose(np.asarray(new_t)[:VOCAB], ref_t, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(slots[0])[:VOCAB], ref_s[0], rtol=1e-5,
+                                   atol=1e-6)  # fmt: skip
+    assert copies["native"] == (0, 0), copies
+    assert copies["xla"][0] >= 8 and copies["xla"][1] >= 1, copies

@@ -71,6 +71,7 @@ TARGETS = {
     "jaxembed_dedup_rows": "JaxembedDedupRows",
     "jaxembed_bucket_ids": "JaxembedBucketIds",
     "jaxembed_apply_rows": "JaxembedApplyRows",
+    "jaxembed_apply_rows_pieces": "JaxembedApplyRowsPieces",
     "jaxembed_bag_apply_rows": "JaxembedBagApplyRows",
     # ... and in remap_kernels.cc (the dynamic table's remap)
     "jaxembed_remap_lookup": "JaxembedRemapLookup",

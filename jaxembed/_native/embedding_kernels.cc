@@ -377,9 +377,10 @@ ffi::Error PoolSumImpl(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> local,
 // The pieces f[C, H] of a table (all one shape and dtype): their data pointers, or an error.
 ffi::Error CheckPieces(const char* k, const char* what, ffi::RemainingArgs pieces,
                        std::vector<const void*>* data, int64_t* C, int64_t* H,
-                       ffi::DataType* type) {
-  if (pieces.size() == 0) return Invalid(k, std::string("no ") + what);
-  for (size_t j = 0; j < pieces.size(); ++j) {
+                       ffi::DataType* type, size_t count = SIZE_MAX) {
+  count = std::min(count, pieces.size());  // the first `count` operands are the pieces
+  if (count == 0) return Invalid(k, std::string("no ") + what);
+  for (size_t j = 0; j < count; ++j) {
     auto piece = pieces.get<ffi::AnyBuffer>(j);
     if (!piece.has_value()) return Invalid(k, std::string("cannot decode ") + what);
     if (auto e = CheckMatrix(k, what, *piece); e.failure()) return e;
@@ -898,15 +899,17 @@ struct UpdateBuffers {
 // Checks the state operands against the formula; copies inputs to the outputs if XLA did not
 // alias them (it does when input_output_aliases is honored).
 ffi::Error PrepareUpdate(const char* k, Formula f, int64_t R, int64_t H, ffi::AnyBuffer table,
-                         ffi::RemainingArgs args, ffi::RemainingRets rets, UpdateBuffers* ub) {
+                         ffi::RemainingArgs args, ffi::RemainingRets rets, UpdateBuffers* ub,
+                         size_t first = 0) {
   const int slots = NumSlots(f);
-  if (args.size() != static_cast<size_t>(1 + slots) || rets.size() != args.size()) {
+  const size_t given = args.size() - first;  // the table/state operands start at `first`
+  if (given != static_cast<size_t>(1 + slots) || rets.size() != given) {
     return Invalid(k, "the formula takes " + std::to_string(slots) + " state arrays: expected " +
                           std::to_string(1 + slots) + " table/state operands and results, got " +
-                          std::to_string(args.size()) + " and " + std::to_string(rets.size()));
+                          std::to_string(given) + " and " + std::to_string(rets.size()));
   }
-  for (size_t a = 0; a < args.size(); ++a) {
-    auto in = args.get<ffi::AnyBuffer>(a);
+  for (size_t a = 0; a < given; ++a) {
+    auto in = args.get<ffi::AnyBuffer>(first + a);
     auto out = rets.get<ffi::AnyBuffer>(a);
     if (!in.has_value() || !out.has_value()) return Invalid(k, "cannot decode table/state");
     if (a > 0) {
@@ -1039,12 +1042,12 @@ template <class G, class GradOf>
 ffi::Error RunUpdate(const char* k, const UpdateAttrs& at, ffi::Buffer<ffi::F32> scalars,
                      ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> valid,
                      ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t grad_H,
-                     const GradOf& grad_of) {
+                     const GradOf& grad_of, size_t first = 0) {
   Formula f;
   Hyper hp;
   if (auto e = ParseUpdate(k, at, scalars, &f, &hp); e.failure()) return e;
-  if (args.size() < 1) return Invalid(k, "missing the table operand");
-  auto table = args.get<ffi::AnyBuffer>(0);
+  if (args.size() < first + 1) return Invalid(k, "missing the table operand");
+  auto table = args.get<ffi::AnyBuffer>(first);
   if (!table.has_value()) return Invalid(k, "cannot decode the table");
   if (auto e = CheckMatrix(k, "table", *table); e.failure()) return e;
   const int64_t R = table->dimensions()[0], H = table->dimensions()[1];
@@ -1053,7 +1056,7 @@ ffi::Error RunUpdate(const char* k, const UpdateAttrs& at, ffi::Buffer<ffi::F32>
                           Dims(table->dimensions()) + " has " + std::to_string(H));
   }
   UpdateBuffers ub{};
-  if (auto e = PrepareUpdate(k, f, R, H, *table, args, rets, &ub); e.failure()) return e;
+  if (auto e = PrepareUpdate(k, f, R, H, *table, args, rets, &ub, first); e.failure()) return e;
   const int64_t M = local.element_count();
   if (M == 0 || R == 0 || H == 0) return ffi::Error::Success();
   const int32_t* loc = local.typed_data();
@@ -1119,6 +1122,48 @@ ffi::Error BagApplyRowsImpl(ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32>
       return true;
     };
     result = RunUpdate<G>(k, at, scalars, local, valid, args, rets, H, grad_of);
+  });
+  return result;
+}
+
+// apply_rows with the gradients as n pieces f[C, H] (slot i's in piece i / C): the results of
+// an all_to_all, read in place. The operands after valid are the n pieces, then the table and
+// the state as apply_rows' (n: the operands beyond the results).
+ffi::Error ApplyRowsPiecesImpl(ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32> local,
+                               ffi::Buffer<ffi::PRED> valid, ffi::RemainingArgs args,
+                               ffi::RemainingRets rets, UpdateAttrs at) {
+  constexpr const char* k = "apply_rows_pieces";
+  if (auto e = CheckSlots(k, local, valid); e.failure()) return e;
+  if (args.size() <= rets.size()) {
+    return Invalid(k, "expected the gradient pieces before the " + std::to_string(rets.size()) +
+                          " table/state operands, got " + std::to_string(args.size()) +
+                          " operands in all");
+  }
+  const size_t n = args.size() - rets.size();
+  std::vector<const void*> data;
+  int64_t C = 0, H = 0;
+  ffi::DataType type{};
+  if (auto e = CheckPieces(k, "gradient piece", args, &data, &C, &H, &type, n); e.failure())
+    return e;
+  const int64_t M = local.element_count();
+  if (C * static_cast<int64_t>(n) != M) {
+    return Invalid(k, std::to_string(n) + " gradient pieces of " + std::to_string(C) +
+                          " rows hold " + std::to_string(C * static_cast<int64_t>(n)) +
+                          " slots' gradients, but local has M=" + std::to_string(M));
+  }
+  ffi::Error result = ffi::Error::Success();
+  DispatchFloat(type, [&](auto zero) {
+    using G = decltype(zero);
+    std::vector<const G*> typed(n);
+    for (size_t j = 0; j < n; ++j) typed[j] = static_cast<const G*>(data[j]);
+    const std::vector<const G*> rows = RowsOfPieces(typed, C, H);
+    const G* const* row_of = rows.data();
+    auto grad_of = [=](int64_t i, const G** row, float* f) {
+      *row = row_of[i];
+      *f = 1.0f;  // exact: the sum is XLA's segment_sum of the rows
+      return true;
+    };
+    result = RunUpdate<G>(k, at, scalars, local, valid, args, rets, H, grad_of, n);
   });
   return result;
 }
@@ -1222,6 +1267,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedApplyRows, jaxembed::Safe<jaxembed::ApplyR
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attrs<jaxembed::UpdateAttrs>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedApplyRowsPieces,
+                              jaxembed::Safe<jaxembed::ApplyRowsPiecesImpl>::Call,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attrs<jaxembed::UpdateAttrs>());

@@ -403,8 +403,8 @@ def _backward_body(plan: EmbeddingPlan, *arrays):
 
     ops = kernels_for(plan)
 
-    def scatter(local, here, grads):
-        return ops.scatter_add(plan.table_shard_shape, local, here, grads)
+    def scatter(local, here, grads):  # grads: f[M, H/K], or the routed exchange's pieces
+        return ops.scatter_add(plan.table_shard_shape, local, here, routed_ops.joined(grads))
 
     fused = None
     if plan.impl == "native":

@@ -17,6 +17,7 @@ either; the collectives stay in JAX.
     dedup_rows                  sparse.dedup_rows
     bucket_ids                  local.bucket_ids (the routed exchange's bucketing by owner)
     apply_rows                  sparse.apply_rows (hidden_axes=() only)
+    apply_rows_pieces           sparse.apply_rows of the pieces' concatenation (an all_to_all's)
     bag_apply_rows              sparse.bag_apply_rows (sparse.apply_rows of bag slot grads)
 
 Availability: the first call of `available()` (or of a kernel) compiles the library with the
@@ -70,6 +71,7 @@ __all__ = [
     "TABLE_DTYPES",
     "NativeKernelsUnavailable",
     "apply_rows",
+    "apply_rows_pieces",
     "available",
     "bag_apply_rows",
     "bag_scatter_add",
@@ -544,6 +546,43 @@ def apply_rows(
     grads = _grads("apply_rows", "grads", grads)
     slot_args = (flat_local, flat_valid, grads)
     return _update("jaxembed_apply_rows", formula, table, slots, count, slot_args, hidden_size)
+
+
+def apply_rows_pieces(
+    formula: Any,
+    table: jax.Array,
+    slots: tuple[jax.Array, ...],
+    count: jax.Array,
+    local: jax.Array,
+    valid: jax.Array,
+    pieces: Any,
+    *,
+    hidden_size: int,
+    hidden_axes: tuple[str, ...] = (),
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """`apply_rows` with the gradients as n pieces f[C, H] (slot i's in piece i // C), read
+    in place: the results of an `all_to_all`, which XLA:CPU keeps as separate buffers (their
+    `jnp.concatenate` would be one more copy of every gradient). Same result as `apply_rows`
+    of the concatenation.
+
+    Args:
+      pieces: n arrays f[C, H], one shape and dtype, n·C = M.
+      formula, table, slots, count, local, valid, hidden_size, hidden_axes: as `apply_rows`.
+    """
+    _check_update("apply_rows_pieces", formula, table, slots, hidden_size, hidden_axes)
+    flat_local, flat_valid = _slots("apply_rows_pieces", local, valid)
+    pieces = list(pieces)
+    want = (flat_local.shape[0] // max(len(pieces), 1), table.shape[1])
+    for j, piece in enumerate(pieces):
+        if piece.shape != want or len(pieces) * want[0] != flat_local.shape[0]:
+            raise ValueError(
+                f"apply_rows_pieces: piece {j} has shape {piece.shape}; {len(pieces)} pieces "
+                f"for M={flat_local.shape[0]} slots and H={table.shape[1]} must each be {want}"
+            )
+    pieces = [_grads("apply_rows_pieces", f"piece {j}", p) for j, p in enumerate(pieces)]
+    slot_args = (flat_local, flat_valid, *pieces)
+    return _update("jaxembed_apply_rows_pieces", formula, table, slots, count, slot_args,
+                   hidden_size)  # fmt: skip
 
 
 def bag_apply_rows(

@@ -42,6 +42,7 @@ __all__ = [
     "bucketize",
     "fetch_pieces",
     "fetch_rows",
+    "joined",
     "overflowed",
     "places",
     "route_grads",
@@ -248,11 +249,19 @@ def route_grads(
 
 def send_grads(plan: EmbeddingPlan, buckets: Buckets, summed: Any):
     """`(ids, grads)` at the owner from my distinct ids' summed gradients by place,
-    f32[n_S·C, H/K] or its n_S pieces f32[C, H/K] (`route_grads`; a bag sums them fused
-    into pieces, with `bag_scatter_add_pieces`, that the `all_to_all` sends as they are)."""
+    f32[n_S·C, H/K] (`route_grads`): i32[n_S·C] and f32[n_S·C, H/K]. Given as the n_S pieces
+    f32[C, H/K] (a bag sums them fused into pieces, `bag_scatter_add_pieces`, which the
+    `all_to_all` sends as they are), the grads come back as the n_S pieces it returns (the
+    native update reads them in place, `apply_rows_pieces`)."""
     n, c = buckets.send.shape
     ids = _to_owners(plan, buckets.send).reshape(n * c)
     if isinstance(summed, list | tuple):
-        summed = jnp.stack(list(summed))  # f32[n_S, C, H/K]
+        back = _to_owners(plan, jnp.stack(list(summed)))  # f32[n_S, C, H/K]
+        return ids, [back[j] for j in range(n)]
     summed = _to_owners(plan, summed.reshape(n, c, -1)).reshape(n * c, -1)
     return ids, summed
+
+
+def joined(grads: Any) -> jax.Array:
+    """`send_grads`' grads as one f32[n_S·C, H/K] (its pieces concatenated; else as given)."""
+    return jnp.concatenate(list(grads)) if isinstance(grads, list | tuple) else grads

@@ -93,10 +93,16 @@ def update_body(plan: EmbeddingPlan, formula: Any, num_slots: int, *arrays,
             return jnp.zeros((), jnp.int32)
         return distinct_rows(local, here, table.shape[0])
 
-    def consume(local, here, grads):
+    def consume(local, here, grads):  # grads: f[..., H/K], or the routed exchange's pieces
+        if native and isinstance(grads, list | tuple):  # read where the all_to_all left them
+            new = kernels_for(plan).apply_rows_pieces(
+                formula, table, slots, count, local.reshape(-1), here.reshape(-1), grads,
+                hidden_size=plan.weight_shape[1],
+            )  # fmt: skip
+            return new, rows(local, here)
         new = apply(
             formula, table, slots, count, local.reshape(-1), here.reshape(-1),
-            grads.reshape(-1, hidden_local), hidden_axes=plan.hidden_axes,
+            routed_ops.joined(grads).reshape(-1, hidden_local), hidden_axes=plan.hidden_axes,
             hidden_size=plan.weight_shape[1],
         )  # fmt: skip
         return new, rows(local, here)
