@@ -551,6 +551,30 @@ ffi::Error ScatterAddImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> va
   return ffi::Error::Success();
 }
 
+// rows(r) = 0, then rows(r) += scale[i] · out_grad[segments[i]] for the valid slots i of row
+// r = local[i], in slot order (ScatterRowsTo); row_at(r) is row r's address (f32[H]).
+template <class RowAt>
+void BagScatter(int64_t R, int64_t H, int64_t M, ffi::Buffer<ffi::S32> local,
+                ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::S32> segments,
+                ffi::Buffer<ffi::F32> scale, ffi::AnyBuffer out_grad, int64_t num_threads,
+                const RowAt& row_at) {
+  const int64_t S = out_grad.dimensions()[0];
+  const int32_t* seg = segments.typed_data();
+  const float* sc = scale.typed_data();
+  DispatchFloat(out_grad.element_type(), [&](auto zero) {
+    using T = decltype(zero);
+    const T* og = static_cast<const T*>(out_grad.untyped_data());
+    ScatterRowsTo(R, H, local.typed_data(), valid.typed_data(), M, row_at, num_threads,
+                  [&](int64_t i, float* __restrict acc) {
+                    const int64_t s = seg[i];
+                    if (s < 0 || s >= S) return;  // a slot in no bag: no gradient
+                    const T* __restrict row = og + s * H;
+                    const float a = sc[i];
+                    for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + ToF32(row[h]) * a;
+                  });
+  });
+}
+
 ffi::Error BagScatterAddImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> valid,
                              ffi::Buffer<ffi::S32> segments, ffi::Buffer<ffi::F32> scale,
                              ffi::AnyBuffer out_grad, ffi::Result<ffi::Buffer<ffi::F32>> out,
@@ -563,26 +587,14 @@ ffi::Error BagScatterAddImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED>
     return Invalid(k, "out must be [R, H], got shape " + Dims(out->dimensions()));
   }
   const int64_t R = out->dimensions()[0], H = out->dimensions()[1], M = local.element_count();
-  const int64_t S = out_grad.dimensions()[0];
   if (out_grad.dimensions()[1] != H) {
     return Invalid(k, "out_grad has shape " + Dims(out_grad.dimensions()) + " but out is " +
                           Dims(out->dimensions()) + ": both must have H columns");
   }
   if (R * H == 0) return ffi::Error::Success();
-  const int32_t* seg = segments.typed_data();
-  const float* sc = scale.typed_data();
-  DispatchFloat(out_grad.element_type(), [&](auto zero) {
-    using T = decltype(zero);
-    const T* og = static_cast<const T*>(out_grad.untyped_data());
-    ScatterRows(R, H, local.typed_data(), valid.typed_data(), M, out->typed_data(), num_threads,
-                [&](int64_t i, float* __restrict acc) {
-                  const int64_t s = seg[i];
-                  if (s < 0 || s >= S) return;  // a slot in no bag: no gradient
-                  const T* __restrict row = og + s * H;
-                  const float a = sc[i];
-                  for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + ToF32(row[h]) * a;
-                });
-  });
+  float* o = out->typed_data();
+  BagScatter(R, H, M, local, valid, segments, scale, out_grad, num_threads,
+             [=](int64_t r) { return o + r * H; });
   return ffi::Error::Success();
 }
 
@@ -599,7 +611,7 @@ ffi::Error BagScatterAddPiecesImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi:
   if (pieces.size() == 0) return Invalid(k, "no output pieces");
   std::vector<float*> data;
   int64_t C = 0;
-  const int64_t H = out_grad.dimensions()[1], S = out_grad.dimensions()[0];
+  const int64_t H = out_grad.dimensions()[1];
   for (size_t j = 0; j < pieces.size(); ++j) {
     auto piece = pieces.get<ffi::Buffer<ffi::F32>>(j);
     if (!piece.has_value()) return Invalid(k, "every output piece must be float32");
@@ -610,23 +622,10 @@ ffi::Error BagScatterAddPiecesImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi:
   }
   const int64_t R = C * static_cast<int64_t>(data.size()), M = local.element_count();
   if (R * H == 0) return ffi::Error::Success();
-  const int32_t* seg = segments.typed_data();
-  const float* sc = scale.typed_data();
   const std::vector<float*> row_table = RowsOfPieces(data, C, H);
   float* const* rows = row_table.data();
-  auto row_at = [=](int64_t r) { return rows[r]; };
-  DispatchFloat(out_grad.element_type(), [&](auto zero) {
-    using T = decltype(zero);
-    const T* og = static_cast<const T*>(out_grad.untyped_data());
-    ScatterRowsTo(R, H, local.typed_data(), valid.typed_data(), M, row_at, num_threads,
-                  [&](int64_t i, float* __restrict acc) {
-                    const int64_t s = seg[i];
-                    if (s < 0 || s >= S) return;  // a slot in no bag: no gradient
-                    const T* __restrict row = og + s * H;
-                    const float a = sc[i];
-                    for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + ToF32(row[h]) * a;
-                  });
-  });
+  BagScatter(R, H, M, local, valid, segments, scale, out_grad, num_threads,
+             [=](int64_t r) { return rows[r]; });
   return ffi::Error::Success();
 }
 

@@ -141,6 +141,14 @@ def _grads(kernel: str, name: str, grads: Any) -> Any:
     return grads
 
 
+def _bag_slots(kernel: str, local: Any, valid: Any, segments: Any, scale: Any) -> list[Any]:
+    """`[local, valid, segments, scale]` as a bag kernel reads them: [M], int32 / bool /
+    int32 / float32, checked to have one shape (`_slots`)."""
+    args = _slots(kernel, local, valid, ("segments", segments), ("scale", scale))
+    args[2], args[3] = args[2].astype(jnp.int32), args[3].astype(jnp.float32)
+    return args
+
+
 def _slots(kernel: str, local: Any, valid: Any, *others: tuple[str, Any]):
     """local, valid (and segments, scale, ...) flattened to [M], checked to have one shape."""
     for name, a in (("valid", valid), *others):
@@ -219,8 +227,7 @@ def pool_sum(
     """
     threads = _require("pool_sum")
     _table("pool_sum", "table", table)
-    args = _slots("pool_sum", local, valid, ("segments", segments), ("scale", scale))
-    args[2], args[3] = args[2].astype(jnp.int32), args[3].astype(jnp.float32)
+    args = _bag_slots("pool_sum", local, valid, segments, scale)
     out = jax.ShapeDtypeStruct((int(num_segments), table.shape[1]), jnp.float32)
     return _call("jaxembed_pool_sum", out, table, *args, num_threads=threads)
 
@@ -253,8 +260,7 @@ def pool_sum_pieces(
             raise ValueError(f"pool_sum_pieces: piece {j} is {piece.dtype}{list(piece.shape)}, "
                              f"piece 0 {pieces[0].dtype}{list(pieces[0].shape)}: pass pieces "
                              "of one shape and dtype")  # fmt: skip
-    args = _slots("pool_sum_pieces", local, valid, ("segments", segments), ("scale", scale))
-    args[2], args[3] = args[2].astype(jnp.int32), args[3].astype(jnp.float32)
+    args = _bag_slots("pool_sum_pieces", local, valid, segments, scale)
     out = jax.ShapeDtypeStruct((int(num_segments), pieces[0].shape[1]), jnp.float32)
     return _call("jaxembed_pool_sum_pieces", out, *args, *pieces, num_threads=threads)
 
@@ -328,8 +334,7 @@ def bag_scatter_add(
     threads = _require("bag_scatter_add")
     rows, hidden = (int(d) for d in shape)
     out_grad = _grads("bag_scatter_add", "out_grad", out_grad)
-    args = _slots("bag_scatter_add", local, valid, ("segments", segments), ("scale", scale))
-    args[2], args[3] = args[2].astype(jnp.int32), args[3].astype(jnp.float32)
+    args = _bag_slots("bag_scatter_add", local, valid, segments, scale)
     if out_grad.shape[1] != hidden:
         raise ValueError(f"bag_scatter_add: out_grad {out_grad.shape} must have H={hidden} columns")
     out = jax.ShapeDtypeStruct((rows, hidden), jnp.float32)
@@ -358,9 +363,7 @@ def bag_scatter_add_pieces(
     if num_pieces < 1:
         raise ValueError(f"bag_scatter_add_pieces: num_pieces must be >= 1, got {num_pieces}")
     out_grad = _grads("bag_scatter_add_pieces", "out_grad", out_grad)
-    args = _slots("bag_scatter_add_pieces", local, valid, ("segments", segments),
-                  ("scale", scale))  # fmt: skip
-    args[2], args[3] = args[2].astype(jnp.int32), args[3].astype(jnp.float32)
+    args = _bag_slots("bag_scatter_add_pieces", local, valid, segments, scale)
     if out_grad.shape[1] != hidden:
         raise ValueError(
             f"bag_scatter_add_pieces: out_grad {out_grad.shape} must have H={hidden} columns"
@@ -618,8 +621,7 @@ def bag_apply_rows(
       ValueError: as `apply_rows`.
     """
     _check_update("bag_apply_rows", formula, table, slots, hidden_size, hidden_axes)
-    args = _slots("bag_apply_rows", local, valid, ("segments", segments), ("scale", scale))
-    args[2], args[3] = args[2].astype(jnp.int32), args[3].astype(jnp.float32)
+    args = _bag_slots("bag_apply_rows", local, valid, segments, scale)
     out_grad = _grads("bag_apply_rows", "out_grad", out_grad)
     if out_grad.shape[1] != table.shape[1]:
         raise ValueError(

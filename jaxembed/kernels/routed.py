@@ -16,6 +16,12 @@ the slots by (owner, id), O(M log M), the reference and the GPU/TPU path; with
 dedup per bucket, O(M + distinct ids), with the same results bit for bit.
 
 The backward sums each distinct id's gradient in the same buckets and sends it to the owner.
+
+With the native kernels the rows and gradients stay in the n_S pieces f[C, H/K] that
+XLA:CPU's `all_to_all` runs on (it slices its operand into one buffer per peer and
+concatenates the results): `fetch_pieces` gathers each source's rows as its own buffer and
+returns the received pieces, and `send_grads` takes and returns pieces, which
+`pool_sum_pieces`, `bag_scatter_add_pieces` and `apply_rows_pieces` read or write in place.
 Whether any bucket of any device overflowed its capacity C is one all-reduced flag; a step
 that overflowed runs the gather exchange instead (the callers' `lax.cond`), so no id is ever
 dropped.
@@ -211,7 +217,7 @@ def fetch_pieces(plan: EmbeddingPlan, table: jax.Array, buckets: Buckets):
     XLA:CPU runs an `all_to_all` on n_S separate buffers: it slices its operand into them and
     concatenates its results. With the native kernels each owner's rows are gathered as their
     own buffer and the bag reads the results in place, so neither copy is made (measured in
-    `benchmarks/RESULTS.md`, "the routed exchange's pieces")."""
+    `benchmarks/RESULTS.md`, "Stop 40")."""
     recv = _to_owners(plan, buckets.send)  # i32[n_S, C] ids from each source
     local, valid = local_ops.local_rows(plan, recv)
     n, c = recv.shape
