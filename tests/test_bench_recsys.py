@@ -96,6 +96,9 @@ def test_every_jax_implementation_agrees_with_the_reference(workload, devices):
         assert r["optimizer"] == ("rowwise_adagrad" if name.startswith("jaxembed") else "adagrad")
         assert all(k in r for k in TIME_KEYS), name
     if devices > 1:  # the donated, row-split step: collectives, and no table-sized temp
+        # every table "rows", its row sharding the planner's: the Zipf-hot tables by mod rows
+        planned = result["implementations"]["jaxembed[rows-planned]"]["info"]["layout"]
+        assert "mod)" in planned and "auto" not in planned, planned
         one = result["implementations"]["jaxembed@1"]
         assert one["wire_bytes"] == 0 and not one["collectives"], one
         assert result["implementations"]["jaxembed"]["wire_bytes"] > 0

@@ -12,6 +12,7 @@ devices: the bags split over it, every table's rows split over it.
 | `jaxembed[rows]` | the same, `exchange="rows"` | the same, `exchange="rows"` |
 | `jaxembed[mod]` | `jaxembed` with mod rows (`row_sharding="mod"`, each table rotated) | the same |
 | `jaxembed[planned]`, `[mod-planned]` | `jaxembed`, `[mod]`, the exchanges planned | the same |
+| `jaxembed[rows-planned]` | every table `"rows"`, `row_sharding="auto"`: block or mod rows and the exchanges planned | the same |
 | `jaxembed[routed]` | the same, `exchange="routed"` (each id to its owner) | the same |
 | `jaxembed[routed,mod]` | `jaxembed[routed]` with mod rows | the same |
 | `jaxembed[table]`, `[columns]` | every table `"table"` (table-wise), or `"columns"` | the same |
@@ -55,6 +56,7 @@ VARIANTS = (
     "jaxembed[mod]",
     "jaxembed[planned]",
     "jaxembed[mod-planned]",
+    "jaxembed[rows-planned]",
     "jaxembed[routed]",
     "jaxembed[routed,mod]",
     "jaxembed[table]",
@@ -190,6 +192,8 @@ def _jaxembed(workload: W.Workload, n: int, lr: float, eps: float, *, impl: str,
     placement = {"jaxembed[auto]": "auto", "jaxembed[table]": "table",
                  "jaxembed[columns]": "columns"}.get(name, "rows")  # fmt: skip
     rows_by = "mod" if "mod" in name else "block"  # mod: a Zipf's hot rows spread
+    if name == "jaxembed[rows-planned]":  # the planner's, from the sampled ids
+        rows_by = "auto"
     tables = [TableConfig(t.name, t.rows, t.dim, placement=placement, row_sharding=rows_by)
               for t in workload.tables]  # fmt: skip
     features = [FeatureConfig(f.name, f.table, max_ids=f.max_ids) for f in workload.features]

@@ -24,6 +24,11 @@ SCALE_OUT = (
     ("jaxembed[planned]", 1.5, "every table by rows, the planner's exchanges"),
     ("jaxembed[mod]", 1.5, "every table by mod rows"),
     ("jaxembed[mod-planned]", 1.5, "every table by mod rows, the planner's exchanges"),
+    (
+        "jaxembed[rows-planned]",
+        1.5,
+        "every table by rows, the planner's row sharding (row_sharding='auto') and exchanges",
+    ),
     ("jaxembed[rows]", 1.5, "every table by rows, the gather exchange"),
     ("jaxembed[routed]", 1.5, "every table by rows, the routed exchange"),
 )
