@@ -12,7 +12,7 @@ devices: the bags split over it, every table's rows split over it.
 | `jaxembed[rows]` | the same, `exchange="rows"` | the same, `exchange="rows"` |
 | `jaxembed[mod]` | `jaxembed` with mod rows (`row_sharding="mod"`, each table rotated) | the same |
 | `jaxembed[planned]`, `[mod-planned]` | `jaxembed`, `[mod]`, the exchanges planned | the same |
-| `jaxembed[rows-planned]` | `row_sharding="auto"`: the row sharding and exchanges planned | the same |
+| `jaxembed[rows-planned]` | `row_sharding="auto"`: row sharding, exchanges planned | the same |
 | `jaxembed[routed]` | the same, `exchange="routed"` (each id to its owner) | the same |
 | `jaxembed[routed,mod]` | `jaxembed[routed]` with mod rows | the same |
 | `jaxembed[table]`, `[columns]` | every table `"table"` (table-wise), or `"columns"` | the same |
