@@ -22,6 +22,7 @@ XLA:CPU's `all_to_all` runs on (it slices its operand into one buffer per peer a
 concatenates the results): `fetch_pieces` gathers each source's rows as its own buffer and
 returns the received pieces, and `send_grads` takes and returns pieces, which
 `pool_sum_pieces`, `bag_scatter_add_pieces` and `apply_rows_pieces` read or write in place.
+
 Whether any bucket of any device overflowed its capacity C is one all-reduced flag; a step
 that overflowed runs the gather exchange instead (the callers' `lax.cond`), so no id is ever
 dropped.
