@@ -2,8 +2,11 @@
 
 Run through the console script (`jaxembed bench routed ...` must dispatch): the record's
 structure, the exchange's two branches in the HLO, the fallback against the buckets, and the
-targets. Timings are recorded, never asserted.
+targets. Timings are recorded, never asserted. Then `benchmarks.routed.pieces --quick`: the
+routed exchange in pieces against the copies XLA:CPU makes without them.
 """
+
+import json
 
 import pytest
 from bench_runs import check_ok, quick_run
@@ -91,3 +94,22 @@ def test_routed_bucketing_native_vs_xla(routed_run):
         assert p["bitwise_equal"] is True, p["name"]
         assert list(p["implementations"]) == ["xla", "native"]
         assert p["summary"]["xla_time_over_native"] > 0
+
+
+def test_pieces_against_copies_quick(tmp_path):
+    """`benchmarks.routed.pieces`: the copies program (the pieces kernels swapped for their
+    whole-buffer twins while it is traced) joins more of the `all_to_all`'s pieces than the
+    library's, and pools the same; the swap is undone after it."""
+    from benchmarks.routed import pieces
+    from jaxembed.kernels import native, routed
+
+    kept = (routed.fetch_pieces, native.pool_sum_pieces, native.apply_rows_pieces)
+    out = tmp_path / "pieces.json"
+    assert pieces.main(["--workloads", "a", "--quick", "--repeats", "1", "--max-seconds", "0.2",
+                        "--json", str(out)]) == 0  # fmt: skip
+    (row,) = json.loads(out.read_text())["rows"]
+    assert set(row["median_ms"]) == {"8 devices, pieces", "8 devices, copies", "1 device"}
+    joins = row["concatenates"]
+    assert joins["8 devices, copies"] > joins["8 devices, pieces"], joins
+    assert "routed" in str(row["exchange"]), row["exchange"]
+    assert (routed.fetch_pieces, native.pool_sum_pieces, native.apply_rows_pieces) == kept
