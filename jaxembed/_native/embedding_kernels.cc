@@ -496,34 +496,51 @@ ffi::Error PoolMaxImpl(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> local,
 
 // ---- scatter_add, bag_scatter_add ------------------------------------------------------------
 
-// out f32[R, H] = 0, then out[row(i)] += grad(i) for the slots i in order. Thread t owns rows
-// [R·t/T, R·(t+1)/T): it zeroes them and adds the slots that land there, so every row is
-// written by one thread in slot order. Rows as XLA's scatter with mode="drop": a negative row
-// counts from the end, one outside [0, R) after that is dropped.
-// The same into rows held anywhere: row r is row_at(r) (H floats; e.g. piece r / C).
-template <class RowAt, class GradOf>
-void ScatterRowsTo(int64_t R, int64_t H, const int32_t* local, const bool* valid, int64_t M,
-                   const RowAt& row_at, int64_t num_threads, const GradOf& grad_of) {
+// f32 rows to scatter into: one f32[R, H] buffer (row r at out + r·H), or n pieces f32[C, H]
+// (row r at row r % C of piece r / C): each row's address, and the zeroing of a range of rows.
+struct DenseRowsAt {
+  float* out;
+  int64_t H;
+  float* Row(int64_t r) const { return out + r * H; }
+  void Zero(int64_t lo, int64_t hi) const {
+    std::memset(out + lo * H, 0, (hi - lo) * H * sizeof(float));
+  }
+};
+
+struct PieceRowsAt {
+  float* const* rows;  // R pointers, row r's (RowsOfPieces)
+  int64_t C, H;
+  float* Row(int64_t r) const { return rows[r]; }
+  void Zero(int64_t lo, int64_t hi) const {  // one memset per piece the range touches
+    for (int64_t r = lo; r < hi;) {
+      const int64_t end = std::min(hi, (r / C + 1) * C);
+      std::memset(rows[r], 0, (end - r) * H * sizeof(float));
+      r = end;
+    }
+  }
+};
+
+// out f32[R, H] = 0, then out[row(i)] += grad(i) for the slots i in order, `out` held as
+// `rows` (DenseRowsAt or PieceRowsAt). Thread t owns rows [R·t/T, R·(t+1)/T): it zeroes them
+// and adds the slots that land there, so every row is written by one thread in slot order.
+// Rows as XLA's scatter with mode="drop": a negative row counts from the end, one outside
+// [0, R) after that is dropped.
+template <class Rows, class GradOf>
+void ScatterRows(int64_t R, const int32_t* local, const bool* valid, int64_t M,
+                   const Rows& rows, int64_t num_threads, const GradOf& grad_of) {
   Team team(ThreadsFor(num_threads, std::max(M, R), 65536));
   const int threads = team.size();
   team.Run([&](int t) {
     const int64_t lo = PartStart(R, threads, t), hi = PartStart(R, threads, t + 1);
-    for (int64_t r = lo; r < hi; ++r) std::memset(row_at(r), 0, H * sizeof(float));
+    rows.Zero(lo, hi);
     for (int64_t i = 0; i < M; ++i) {
       if (!valid[i]) continue;
       int64_t r = local[i];
       if (r < 0) r += R;
       if (r < lo || r >= hi) continue;
-      grad_of(i, row_at(r));
+      grad_of(i, rows.Row(r));
     }
   });
-}
-
-template <class GradOf>
-void ScatterRows(int64_t R, int64_t H, const int32_t* local, const bool* valid, int64_t M,
-                 float* out, int64_t num_threads, const GradOf& grad_of) {
-  ScatterRowsTo(R, H, local, valid, M, [=](int64_t r) { return out + r * H; }, num_threads,
-                grad_of);
 }
 
 ffi::Error ScatterAddImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> valid,
@@ -542,8 +559,8 @@ ffi::Error ScatterAddImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> va
   DispatchFloat(grads.element_type(), [&](auto zero) {
     using T = decltype(zero);
     const T* g = static_cast<const T*>(grads.untyped_data());
-    ScatterRows(R, H, local.typed_data(), valid.typed_data(), M, out->typed_data(), num_threads,
-                [&](int64_t i, float* __restrict acc) {
+    ScatterRows(R, local.typed_data(), valid.typed_data(), M, DenseRowsAt{out->typed_data(), H},
+                num_threads, [&](int64_t i, float* __restrict acc) {
                   const T* __restrict gi = g + i * H;
                   for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + ToF32(gi[h]);
                 });
@@ -552,19 +569,19 @@ ffi::Error ScatterAddImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> va
 }
 
 // rows(r) = 0, then rows(r) += scale[i] · out_grad[segments[i]] for the valid slots i of row
-// r = local[i], in slot order (ScatterRowsTo); row_at(r) is row r's address (f32[H]).
-template <class RowAt>
+// r = local[i], in slot order (ScatterRows); rows: DenseRowsAt or PieceRowsAt.
+template <class Rows>
 void BagScatter(int64_t R, int64_t H, int64_t M, ffi::Buffer<ffi::S32> local,
                 ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::S32> segments,
                 ffi::Buffer<ffi::F32> scale, ffi::AnyBuffer out_grad, int64_t num_threads,
-                const RowAt& row_at) {
+                const Rows& rows) {
   const int64_t S = out_grad.dimensions()[0];
   const int32_t* seg = segments.typed_data();
   const float* sc = scale.typed_data();
   DispatchFloat(out_grad.element_type(), [&](auto zero) {
     using T = decltype(zero);
     const T* og = static_cast<const T*>(out_grad.untyped_data());
-    ScatterRowsTo(R, H, local.typed_data(), valid.typed_data(), M, row_at, num_threads,
+    ScatterRows(R, local.typed_data(), valid.typed_data(), M, rows, num_threads,
                   [&](int64_t i, float* __restrict acc) {
                     const int64_t s = seg[i];
                     if (s < 0 || s >= S) return;  // a slot in no bag: no gradient
@@ -592,9 +609,8 @@ ffi::Error BagScatterAddImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED>
                           Dims(out->dimensions()) + ": both must have H columns");
   }
   if (R * H == 0) return ffi::Error::Success();
-  float* o = out->typed_data();
   BagScatter(R, H, M, local, valid, segments, scale, out_grad, num_threads,
-             [=](int64_t r) { return o + r * H; });
+             DenseRowsAt{out->typed_data(), H});
   return ffi::Error::Success();
 }
 
@@ -622,10 +638,9 @@ ffi::Error BagScatterAddPiecesImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi:
   }
   const int64_t R = C * static_cast<int64_t>(data.size()), M = local.element_count();
   if (R * H == 0) return ffi::Error::Success();
-  const std::vector<float*> row_table = RowsOfPieces(data, C, H);
-  float* const* rows = row_table.data();
+  const std::vector<float*> rows = RowsOfPieces(data, C, H);
   BagScatter(R, H, M, local, valid, segments, scale, out_grad, num_threads,
-             [=](int64_t r) { return rows[r]; });
+             PieceRowsAt{rows.data(), C, H});
   return ffi::Error::Success();
 }
 
