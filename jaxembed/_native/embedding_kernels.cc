@@ -298,19 +298,32 @@ void ForEachSegment(int64_t M, int64_t S, const int32_t* seg, const bool* valid,
 
 // ---- pool_sum ---------------------------------------------------------------------------------
 
-// Where row r of a pooled table lives: one f[R, H] buffer, or the n pieces f[C, H] of a
-// tuple all_to_all's results, row r in piece r / C (read in place, never concatenated).
+// Where row r of a table lives: one [R, H] buffer, or the n pieces [C, H] of a tuple
+// all_to_all's operands or results, row r at row r % C of piece r / C (read or written in
+// place, never sliced or concatenated). Row(r) is its address; Zero(lo, hi) zeroes rows
+// [lo, hi) of a float buffer (one memset for the block, one per piece the range touches).
 template <class T>
 struct DenseRows {
-  const T* table;
+  T* table;
   int64_t H;
-  const T* Row(int64_t r) const { return table + r * H; }
+  T* Row(int64_t r) const { return table + r * H; }
+  void Zero(int64_t lo, int64_t hi) const {
+    std::memset(table + lo * H, 0, (hi - lo) * H * sizeof(T));
+  }
 };
 
 template <class T>
 struct PieceRows {
-  const T* const* rows;  // R pointers, row r's (no division per slot)
-  const T* Row(int64_t r) const { return rows[r]; }
+  T* const* rows;  // R pointers, row r's (RowsOfPieces: no division per slot)
+  int64_t C, H;
+  T* Row(int64_t r) const { return rows[r]; }
+  void Zero(int64_t lo, int64_t hi) const {
+    for (int64_t r = lo; r < hi;) {
+      const int64_t end = std::min(hi, (r / C + 1) * C);
+      std::memset(rows[r], 0, (end - r) * H * sizeof(T));
+      r = end;
+    }
+  }
 };
 
 // Each row's address in n pieces of C rows, H wide: row r is row r % C of piece r / C.
@@ -322,7 +335,7 @@ std::vector<T*> RowsOfPieces(const std::vector<T*>& pieces, int64_t C, int64_t H
   return rows;
 }
 
-template <class T, class Rows = DenseRows<T>>
+template <class T, class Rows = DenseRows<const T>>
 struct SumVisitor {
   Rows tab;
   int64_t R, H, M;
@@ -423,8 +436,8 @@ ffi::Error PoolSumPiecesImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED>
     std::vector<const T*> typed(data.size());
     for (size_t j = 0; j < data.size(); ++j) typed[j] = static_cast<const T*>(data[j]);
     const std::vector<const T*> rows = RowsOfPieces(typed, C, H);
-    SumVisitor<T, PieceRows<T>> v{{rows.data()}, R, H, M, local.typed_data(),
-                                  scale.typed_data(), out->typed_data()};
+    SumVisitor<T, PieceRows<const T>> v{{rows.data(), C, H}, R, H, M, local.typed_data(),
+                                        scale.typed_data(), out->typed_data()};
     ForEachSegment(M, S, segments.typed_data(), valid.typed_data(), team, v);
   });
   return ffi::Error::Success();
@@ -496,38 +509,14 @@ ffi::Error PoolMaxImpl(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> local,
 
 // ---- scatter_add, bag_scatter_add ------------------------------------------------------------
 
-// f32 rows to scatter into: one f32[R, H] buffer (row r at out + r·H), or n pieces f32[C, H]
-// (row r at row r % C of piece r / C): each row's address, and the zeroing of a range of rows.
-struct DenseRowsAt {
-  float* out;
-  int64_t H;
-  float* Row(int64_t r) const { return out + r * H; }
-  void Zero(int64_t lo, int64_t hi) const {
-    std::memset(out + lo * H, 0, (hi - lo) * H * sizeof(float));
-  }
-};
-
-struct PieceRowsAt {
-  float* const* rows;  // R pointers, row r's (RowsOfPieces)
-  int64_t C, H;
-  float* Row(int64_t r) const { return rows[r]; }
-  void Zero(int64_t lo, int64_t hi) const {  // one memset per piece the range touches
-    for (int64_t r = lo; r < hi;) {
-      const int64_t end = std::min(hi, (r / C + 1) * C);
-      std::memset(rows[r], 0, (end - r) * H * sizeof(float));
-      r = end;
-    }
-  }
-};
-
 // out f32[R, H] = 0, then out[row(i)] += grad(i) for the slots i in order, `out` held as
-// `rows` (DenseRowsAt or PieceRowsAt). Thread t owns rows [R·t/T, R·(t+1)/T): it zeroes them
-// and adds the slots that land there, so every row is written by one thread in slot order.
-// Rows as XLA's scatter with mode="drop": a negative row counts from the end, one outside
-// [0, R) after that is dropped.
+// `rows` (DenseRows<float> or PieceRows<float>). Thread t owns rows [R·t/T, R·(t+1)/T): it
+// zeroes them and adds the slots that land there, so every row is written by one thread in
+// slot order. Rows as XLA's scatter with mode="drop": a negative row counts from the end, one
+// outside [0, R) after that is dropped.
 template <class Rows, class GradOf>
-void ScatterRows(int64_t R, const int32_t* local, const bool* valid, int64_t M,
-                   const Rows& rows, int64_t num_threads, const GradOf& grad_of) {
+void ScatterRows(int64_t R, const int32_t* local, const bool* valid, int64_t M, const Rows& rows,
+                 int64_t num_threads, const GradOf& grad_of) {
   Team team(ThreadsFor(num_threads, std::max(M, R), 65536));
   const int threads = team.size();
   team.Run([&](int t) {
@@ -559,8 +548,9 @@ ffi::Error ScatterAddImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> va
   DispatchFloat(grads.element_type(), [&](auto zero) {
     using T = decltype(zero);
     const T* g = static_cast<const T*>(grads.untyped_data());
-    ScatterRows(R, local.typed_data(), valid.typed_data(), M, DenseRowsAt{out->typed_data(), H},
-                num_threads, [&](int64_t i, float* __restrict acc) {
+    const DenseRows<float> rows{out->typed_data(), H};
+    ScatterRows(R, local.typed_data(), valid.typed_data(), M, rows, num_threads,
+                [&](int64_t i, float* __restrict acc) {
                   const T* __restrict gi = g + i * H;
                   for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + ToF32(gi[h]);
                 });
@@ -569,7 +559,7 @@ ffi::Error ScatterAddImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> va
 }
 
 // rows(r) = 0, then rows(r) += scale[i] · out_grad[segments[i]] for the valid slots i of row
-// r = local[i], in slot order (ScatterRows); rows: DenseRowsAt or PieceRowsAt.
+// r = local[i], in slot order (ScatterRows); rows: DenseRows<float> or PieceRows<float>.
 template <class Rows>
 void BagScatter(int64_t R, int64_t H, int64_t M, ffi::Buffer<ffi::S32> local,
                 ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::S32> segments,
@@ -610,7 +600,7 @@ ffi::Error BagScatterAddImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED>
   }
   if (R * H == 0) return ffi::Error::Success();
   BagScatter(R, H, M, local, valid, segments, scale, out_grad, num_threads,
-             DenseRowsAt{out->typed_data(), H});
+             DenseRows<float>{out->typed_data(), H});
   return ffi::Error::Success();
 }
 
@@ -640,7 +630,7 @@ ffi::Error BagScatterAddPiecesImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi:
   if (R * H == 0) return ffi::Error::Success();
   const std::vector<float*> rows = RowsOfPieces(data, C, H);
   BagScatter(R, H, M, local, valid, segments, scale, out_grad, num_threads,
-             PieceRowsAt{rows.data(), C, H});
+             PieceRows<float>{rows.data(), C, H});
   return ffi::Error::Success();
 }
 
