@@ -37,21 +37,10 @@ def _copies():
     """The routed exchange as it ran before the pieces, for the programs traced inside."""
     import jax.numpy as jnp
 
-    from jaxembed.kernels import local as local_ops
     from jaxembed.kernels import native, routed
-    from jaxembed.kernels.select import kernels_for
-
-    def fetch_whole(plan, table, buckets):  # one gather of every source's rows, sliced
-        recv = routed._to_owners(plan, buckets.send)
-        local, valid = local_ops.local_rows(plan, recv)
-        n, c = recv.shape
-        reads = valid & (recv >= 0)
-        rows = kernels_for(plan, table).gather_rows(table, local.reshape(-1), reads.reshape(-1))
-        back = routed._to_owners(plan, rows.reshape(n, c, -1))
-        return [back[j] for j in range(n)], jnp.sum(reads, dtype=jnp.int32)
 
     swapped = {
-        (routed, "fetch_pieces"): fetch_whole,
+        (routed, "_apart"): lambda plan: False,  # one gather of every source's rows, sliced
         (native, "pool_sum_pieces"): lambda pieces, *a: native.pool_sum(
             jnp.concatenate(list(pieces)), *a),
         (native, "bag_scatter_add_pieces"): lambda n, shape, *a: list(native.bag_scatter_add(

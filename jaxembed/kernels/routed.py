@@ -210,6 +210,13 @@ def fetch_rows(plan: EmbeddingPlan, table: jax.Array, buckets: Buckets):
     return jnp.concatenate(pieces), reads
 
 
+def _apart(plan: EmbeddingPlan) -> bool:
+    """Whether the owner gathers each source's rows as a buffer of its own: with the native
+    kernels (XLA:CPU, whose `all_to_all` runs on one buffer per peer); XLA's kernels (GPU,
+    TPU) gather them as one."""
+    return plan.impl == "native"
+
+
 def fetch_pieces(plan: EmbeddingPlan, table: jax.Array, buckets: Buckets):
     """`fetch_rows` as the n_S pieces f[C, H/K] the `all_to_all` returns, one per owner (row
     `dest · C + pos` is row pos of piece dest): `(pieces, reads)`. A bag pools them where
@@ -224,7 +231,7 @@ def fetch_pieces(plan: EmbeddingPlan, table: jax.Array, buckets: Buckets):
     n, c = recv.shape
     reads = valid & (recv >= 0)
     gather = kernels_for(plan, table).gather_rows
-    if plan.impl == "native":  # one buffer per source: the all_to_all sends them as they are
+    if _apart(plan):  # one buffer per source: the all_to_all sends them as they are
         rows = jnp.stack([gather(table, local[j], reads[j]) for j in range(n)])
     else:
         rows = gather(table, local.reshape(-1), reads.reshape(-1)).reshape(n, c, -1)
