@@ -5,6 +5,7 @@
     python -m benchmarks planner-scaling         # the plans' strong scaling, no devices
     python -m benchmarks recsys-floor            # n devices' best case on these cores
     python -m benchmarks recsys-processes        # 2 processes x 1 device against 1 x 1
+    python -m benchmarks routed-pieces           # the routed exchange's pieces against copies
     python -m benchmarks --calibrate             # the cost model's CPU constants
     jaxembed bench ...                           # the same, from a checkout
 
@@ -36,6 +37,7 @@ SUBCOMMANDS = {
     "sparse": "benchmarks.rowsparse.bench",
     "bags": "benchmarks.bags.bench",
     "routed": "benchmarks.routed.bench",
+    "routed-pieces": "benchmarks.routed.pieces",
     "recsys": "benchmarks.recsys.bench",
     "planner": "benchmarks.planner.bench",
     "planner-scaling": "benchmarks.planner.scaling",

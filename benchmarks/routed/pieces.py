@@ -1,7 +1,7 @@
 """The routed exchange in pieces against the copies XLA:CPU would make, one process, 8 devices.
 
-`python -m benchmarks.routed.pieces [--workloads a,dlrm] [--repeats 12] [--json PATH]
-[--markdown PATH]`
+`python -m benchmarks routed-pieces [--workloads a,dlrm] [--repeats 12] [--json PATH]
+[--markdown PATH]` (through `python -m benchmarks`: 8 CPU devices, glibc's malloc tuned)
 
 XLA:CPU runs an `all_to_all` on one buffer per peer: it slices the `[n, C, H]` operand into
 n blocks and concatenates the n results. With the native kernels the routed exchange keeps
@@ -152,10 +152,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    flag = "--xla_force_host_platform_device_count=8"
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
-    from jaxembed import host
-
-    host.tune_malloc(warn=False)  # before jax starts: XLA's step buffers kept for reuse
     sys.exit(main())
