@@ -393,11 +393,15 @@ def plan_collection(
     def configs(choice: Mapping[str, str]) -> list[TableConfig]:
         # the planner's placements, and the row sharding of every table it places or that
         # leaves its row sharding to it ("auto")
-        return [dataclasses.replace(t, placement=choice.get(t.name, t.placement),
-                                    row_sharding=_row_sharding(ctx, t, choice.get(t.name,
-                                                                                  t.placement)))
-                if t.name in choice or t.row_sharding == "auto" else t
-                for t in tables]  # fmt: skip
+        out = []
+        for t in tables:
+            if t.name not in choice and t.row_sharding != "auto":
+                out.append(t)
+                continue
+            placement = choice.get(t.name, t.placement)
+            row_sharding = _row_sharding(ctx, t, placement)
+            out.append(dataclasses.replace(t, placement=placement, row_sharding=row_sharding))
+        return out
 
     def price(choice: Mapping[str, str]) -> LayoutCost | str:
         try:
