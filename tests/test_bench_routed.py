@@ -109,11 +109,14 @@ def test_pieces_against_copies_quick(tmp_path):
 
     kept = now()
     out = tmp_path / "pieces.json"
-    assert pieces.main(["--workloads", "a", "--quick", "--repeats", "1", "--max-seconds", "0.2",
-                        "--json", str(out)]) == 0  # fmt: skip
-    (row,) = json.loads(out.read_text())["rows"]
-    assert set(row["median_ms"]) == {"8 devices, pieces", "8 devices, copies", "1 device"}
-    joins = row["concatenates"]
-    assert joins["8 devices, copies"] > joins["8 devices, pieces"], joins
-    assert "routed" in str(row["exchange"]), row["exchange"]
+    assert pieces.main(["--workloads", "a,tokens:64", "--quick", "--repeats", "1",
+                        "--max-seconds", "0.2", "--json", str(out)]) == 0  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["workload"] for r in rows] == ["a", "tokens:64"]
+    for row in rows:
+        runs = {"8 devices, pieces", "8 devices, copies", "1 device"}
+        assert set(row["median_ms"]) == set(row["median_cpu_ms"]) == runs
+        joins = row["concatenates"]
+        assert joins["8 devices, copies"] > joins["8 devices, pieces"], joins
+        assert "routed" in str(row["exchange"]), row["exchange"]
     assert now() == kept

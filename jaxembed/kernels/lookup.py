@@ -129,7 +129,7 @@ def _backward_body(plan: EmbeddingPlan, ids, overflow, out_grad: jax.Array) -> j
             owner_ids, grads = routed_ops.route_grads(
                 plan, buckets, out_grad.reshape(flat.shape[0], -1)
             )
-            return _scatter_gradient(plan, owner_ids, grads)
+            return _scatter_gradient(plan, owner_ids, routed_ops.joined(grads))
 
         def fallback(_):
             axes, dim = plan.routed.axes, plan.routed.dim

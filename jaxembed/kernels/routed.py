@@ -195,9 +195,19 @@ def places(buckets: Buckets) -> tuple[jax.Array, jax.Array]:
 
 def route_rows(plan: EmbeddingPlan, table: jax.Array, buckets: Buckets, *, count: bool = False):
     """Each slot's row, fetched from its owner: f[M, H/K] (zero for slots that read none);
-    with `count`, `(rows, reads)`: also the rows this device read for its sources, i32[]."""
-    back, reads = fetch_rows(plan, table, buckets)
+    with `count`, `(rows, reads)`: also the rows this device read for its sources, i32[].
+    With the native kernels the rows are read from the pieces the `all_to_all` returns, each
+    slot as a bag of one (`pool_sum_pieces`), so no f[n_S·C, H/K] is joined first."""
     place, fits = places(buckets)
+    if _apart(plan):  # each slot a bag of its own, read where the all_to_all left the rows
+        pieces, reads = fetch_pieces(plan, table, buckets)
+        m = place.shape[0]
+        slot = jnp.arange(m, dtype=jnp.int32)
+        ones = jnp.ones((m,), jnp.float32)
+        got = kernels_for(plan).pool_sum_pieces(pieces, place, fits, slot, ones, m)
+        out = got.astype(pieces[0].dtype)  # one row times 1, exact
+        return (out, reads) if count else out
+    back, reads = fetch_rows(plan, table, buckets)
     got = back[jnp.where(fits, place, 0)]
     out = jnp.where(fits[:, None], got, jnp.zeros((), got.dtype))
     return (out, reads) if count else out
@@ -253,10 +263,21 @@ def route_grads(
       grads: f[M, H/K] each slot's gradient.
 
     Returns:
-      `(ids, grads)` at the owner: i32[n_S·C] (-1: none) and f32[n_S·C, H/K].
+      `(ids, grads)` at the owner: i32[n_S·C] (-1: none) and f32[n_S·C, H/K]; with the
+      native kernels, the grads as the n_S pieces f32[C, H/K] the `all_to_all` returns
+      (summed into pieces, `bag_scatter_add_pieces`, each slot a bag of one; `joined`
+      makes them one array).
     """
     n, c = buckets.send.shape
     place, fits = places(buckets)
+    if _apart(plan):  # summed into the pieces the all_to_all sends as they are
+        m = place.shape[0]
+        slot = jnp.arange(m, dtype=jnp.int32)
+        ones = jnp.ones((m,), jnp.float32)
+        summed = kernels_for(plan).bag_scatter_add_pieces(
+            n, (c, grads.shape[-1]), place, fits, slot, ones, grads
+        )  # n_S × f32[C, H/K]
+        return send_grads(plan, buckets, summed)
     summed = kernels_for(plan).scatter_add((n * c, grads.shape[-1]), place, fits, grads)
     return send_grads(plan, buckets, summed)
 
