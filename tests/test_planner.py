@@ -404,7 +404,16 @@ def test_row_sharding_auto_is_the_planners_choice():
         "hot": ("rows", "mod"), "flat": ("rows", "block"), "none": ("rows", "block")}  # fmt: skip
     assert layout_collection(auto, features, mesh).placement("item").row_sharding == "block"
     fixed = [TableConfig("item", 4096, 16, placement="rows")]  # block, as configured
-    assert plan_collection(fixed, features, mesh, id_stats=hot, **kw).table_configs[0] == fixed[0]
+    kept = plan_collection(fixed, features, mesh, id_stats=hot, **kw)
+    assert kept.table_configs[0] == fixed[0]
+    # ... and its line says what its block rows cost: all the hot ids on shard 0 of 8
+    note = re.search(r"block rows: its busiest shard holds (\d+)% of a batch's distinct ids "
+                     r"\((\d+)% by mod rows\), row_sharding='auto' lets the planner choose",
+                     kept.tables[0].reason)  # fmt: skip
+    assert note and int(note[1]) == 100 and 12 <= int(note[2]) <= 16, kept.tables[0].reason
+    assert note[0] in str(kept)
+    even = plan_collection(fixed, features, mesh, id_stats=flat, **kw)
+    assert "block rows:" not in even.tables[0].reason, even.tables[0].reason
     with pytest.raises(ValueError, match=r"row_sharding must be one of \('block', 'mod', 'auto'\)"):
         TableConfig("item", 4096, 16, row_sharding="hash")
 

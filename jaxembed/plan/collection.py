@@ -233,17 +233,36 @@ def _choices(t: TableConfig, sizes: dict[str, int]) -> list[str]:
 def _row_sharding(ctx: Context, t: TableConfig, placement: str) -> str:
     """Mod rows where the sample's busiest block shard holds clearly more (>10%); a table
     without a sample keeps its own, `"auto"` block (a dynamic table's rows are in blocks)."""
-    stats = ctx.stats
     own = "block" if t.row_sharding == "auto" else t.row_sharding
+    skew = _skew(ctx, t, placement)
+    if skew is None:
+        return own
+    return "mod" if skew["mod"] < 0.9 * skew["block"] else "block"
+
+
+def _skew(ctx: Context, t: TableConfig, placement: str) -> dict[str, float] | None:
+    """The busiest row shard's share of the sample's distinct ids, block and mod
+    (`IdStats.skew`), for a table split by rows that the sample holds; else None."""
+    stats = ctx.stats
     if (stats is None or placement not in ("rows", "table_rows") or t.dynamic is not None
             or t.name not in stats.samples):  # fmt: skip
-        return own
+        return None
     axes = t.axes or tuple(a for a, s in ctx.sizes.items() if s > 1)
     if placement == "table_rows":  # rows over `within`, the second of (across, within)
         axes = (t.axes or tuple(ctx.sizes))[1:2]
     n = math.prod(ctx.sizes[a] for a in axes)
-    skew = stats.skew(t.name, vocab_size=t.vocab_size, num_shards=n)
-    return "mod" if skew["mod"] < 0.9 * skew["block"] else "block"
+    return stats.skew(t.name, vocab_size=t.vocab_size, num_shards=n)
+
+
+def _block_note(ctx: Context, t: TableConfig, placement: str, row_sharding: str) -> str:
+    """A table its config keeps in block rows says so where the sample puts clearly more of
+    its ids on one block shard than mod rows would (`_row_sharding` would pick mod)."""
+    skew = _skew(ctx, t, placement) if t.row_sharding == "block" else None
+    if row_sharding != "block" or skew is None or skew["mod"] >= 0.9 * skew["block"]:
+        return ""
+    return (f"; block rows: its busiest shard holds {skew['block']:.0%} of a batch's distinct "
+            f"ids ({skew['mod']:.0%} by mod rows), row_sharding='auto' lets the planner "
+            "choose")  # fmt: skip
 
 
 def _time_key(c: LayoutCost, placement: str) -> tuple:
@@ -535,6 +554,7 @@ def _assemble(ctx, best: LayoutCost, budget, reasons, tables) -> CollectionPlan:
             row_sharding=p.row_sharding, stack=layout.stacks[p.stack].name, exchange=exchange,
             wire_bytes=wire, modelled_ms=ms, memory_bytes=best.table_bytes[t.name],
             reason=reasons.get(t.name, "fixed by its config")
+            + _block_note(ctx, t, p.placement, p.row_sharding)
             + _dynamic_note(t, layout.state_shards(t.name)),
         ))  # fmt: skip
     routes = any(c.exchange == "routed" for c in best.calls)
