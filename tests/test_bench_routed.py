@@ -105,7 +105,7 @@ def test_pieces_against_copies_quick(tmp_path):
 
     def now():
         return (routed._apart, native.pool_sum_pieces, native.bag_scatter_add_pieces,
-                native.apply_rows_pieces)  # fmt: skip
+                native.apply_rows_pieces, native.scatter_add_pieces)  # fmt: skip
 
     kept = now()
     out = tmp_path / "pieces.json"

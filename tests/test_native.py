@@ -186,6 +186,36 @@ def test_bag_scatter_add_pieces_writes_the_pieces_in_place(dtype):
     np.testing.assert_allclose(np.concatenate(got), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_scatter_add_pieces_reads_the_pieces_in_place(dtype):
+    """`scatter_add` with the slots' gradients as n pieces f[C, H] (an all_to_all's results):
+    bitwise the `scatter_add` of their concatenation, natively and in the XLA twin, and the
+    float64 sums; negative rows count from the end, rows >= R are dropped, as XLA's."""
+    n, c = 6, 20
+    _, local, valid, _, _ = make_slots(23, n * c)
+    local = np.where(np.arange(n * c) % 17 == 0, -2, local).astype(np.int32)
+    grads = jnp.asarray(np.random.default_rng(23).normal(size=(n * c, H)), dtype)
+    pieces = [grads[j * c : (j + 1) * c] for j in range(n)]
+    got = jax.jit(native.scatter_add_pieces, static_argnums=0)((R, H), local, valid, pieces)
+    assert bitwise(got, native.scatter_add((R, H), local, valid, grads))
+    assert bitwise(local_ops.scatter_add_pieces((R, H), local, valid, pieces),
+                   local_ops.scatter_add((R, H), local, valid, grads))  # fmt: skip
+    want = np.zeros((R, H))
+    g = np.asarray(grads.astype(jnp.float32), np.float64)
+    for i in np.flatnonzero(valid):
+        r = local[i] + R if local[i] < 0 else local[i]
+        if 0 <= r < R:
+            want[r] += g[i]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"piece 0 has shape \(20, 8\); 5 pieces for M=120"):
+        native.scatter_add_pieces((R, H), local, valid, pieces[:5])
+    call = jax.ffi.ffi_call("jaxembed_scatter_add_pieces",
+                            jax.ShapeDtypeStruct((R, H), jnp.float32))  # fmt: skip
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"5 gradient pieces of 20 rows hold "
+                       r"100 slots' gradients, but local has M=120"):  # fmt: skip
+        jax.block_until_ready(call(local, valid, *pieces[:5], num_threads=np.int64(1)))
+
+
 def test_pieces_errors_name_the_value():
     table, local, valid, seg, scale = make_slots(22, 10)
     with pytest.raises(ValueError, match=r"piece 1 is float32\[7, 8\], piece 0 float32\[8, 8\]"):

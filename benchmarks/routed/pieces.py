@@ -6,15 +6,15 @@
 XLA:CPU runs an `all_to_all` on one buffer per peer: it slices the `[n, C, H]` operand into
 n blocks and concatenates the n results. With the native kernels the routed exchange keeps
 its rows in those blocks (`jaxembed.kernels.routed.fetch_pieces`, `pool_sum_pieces`,
-`bag_scatter_add_pieces`, `apply_rows_pieces`). Here the `bench recsys` step of every table
+`bag_scatter_add_pieces`, `apply_rows_pieces`, `scatter_add_pieces`). Here the `bench recsys` step of every table
 by mod rows with the planner's sized route (`jaxembed[mod-planned]`) is compiled twice on
 the same 8 devices, and timed interleaved with the 1-device step:
 
 * `pieces`: as the library runs it;
 * `copies`: the same program with the pieces undone, each pieces kernel replaced by its
   whole-buffer twin (`pool_sum` of the concatenated pieces, `bag_scatter_add` sliced into
-  pieces, `apply_rows` of the concatenation, one gather of every source's rows), so that
-  XLA's slices and concatenations come back.
+  pieces, `apply_rows` and `scatter_add` of the concatenation, one gather of every source's
+  rows), so that XLA's slices and concatenations come back.
 
 The swap happens only while the `copies` program is traced; both programs are checked to
 give the same pooled output on a batch. Every step's table and state are donated.
@@ -51,6 +51,8 @@ def _copies():
             (n * shape[0], shape[1]), *a).reshape(n, *shape)),
         (native, "apply_rows_pieces"): lambda f, t, s, c, loc, v, pieces, **kw: native.apply_rows(
             f, t, s, c, loc, v, jnp.concatenate(list(pieces)), **kw),
+        (native, "scatter_add_pieces"): lambda shape, loc, v, pieces: native.scatter_add(
+            shape, loc.reshape(-1), v.reshape(-1), jnp.concatenate(list(pieces))),
     }  # fmt: skip
     saved = {key: getattr(*key) for key in swapped}
     try:

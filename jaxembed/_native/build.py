@@ -68,6 +68,7 @@ TARGETS = {
     "jaxembed_scatter_add": "JaxembedScatterAdd",
     "jaxembed_bag_scatter_add": "JaxembedBagScatterAdd",
     "jaxembed_bag_scatter_add_pieces": "JaxembedBagScatterAddPieces",
+    "jaxembed_scatter_add_pieces": "JaxembedScatterAddPieces",
     "jaxembed_dedup_rows": "JaxembedDedupRows",
     "jaxembed_bucket_ids": "JaxembedBucketIds",
     "jaxembed_apply_rows": "JaxembedApplyRows",

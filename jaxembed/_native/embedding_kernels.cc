@@ -558,6 +558,47 @@ ffi::Error ScatterAddImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> va
   return ffi::Error::Success();
 }
 
+// scatter_add with the slots' gradients as n pieces f[C, H] (slot i's: row i % C of piece
+// i / C), read in place: the results of a tuple all_to_all, never concatenated first.
+ffi::Error ScatterAddPiecesImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> valid,
+                                ffi::RemainingArgs pieces,
+                                ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t num_threads) {
+  constexpr const char* k = "scatter_add_pieces";
+  if (auto e = CheckThreads(k, num_threads); e.failure()) return e;
+  if (auto e = CheckSlots(k, local, valid); e.failure()) return e;
+  std::vector<const void*> data;
+  int64_t C = 0, H = 0;
+  ffi::DataType type{};
+  if (auto e = CheckPieces(k, "gradient piece", pieces, &data, &C, &H, &type); e.failure())
+    return e;
+  if (out->dimensions().size() != 2 || out->dimensions()[1] != H) {
+    return Invalid(k, "out has shape " + Dims(out->dimensions()) + ", expected [R, " +
+                          std::to_string(H) + "]");
+  }
+  const int64_t n = static_cast<int64_t>(data.size());
+  const int64_t R = out->dimensions()[0], M = local.element_count();
+  if (C * n != M) {
+    return Invalid(k, std::to_string(n) + " gradient pieces of " + std::to_string(C) +
+                          " rows hold " + std::to_string(C * n) +
+                          " slots' gradients, but local has M=" + std::to_string(M));
+  }
+  if (R * H == 0) return ffi::Error::Success();
+  DispatchFloat(type, [&](auto zero) {
+    using T = decltype(zero);
+    std::vector<const T*> typed(data.size());
+    for (size_t j = 0; j < data.size(); ++j) typed[j] = static_cast<const T*>(data[j]);
+    const std::vector<const T*> rows = RowsOfPieces(typed, C, H);
+    const T* const* grad = rows.data();
+    ScatterRows(R, local.typed_data(), valid.typed_data(), M,
+                DenseRows<float>{out->typed_data(), H}, num_threads,
+                [&](int64_t i, float* __restrict acc) {
+                  const T* __restrict gi = grad[i];
+                  for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + ToF32(gi[h]);
+                });
+  });
+  return ffi::Error::Success();
+}
+
 // rows(r) = 0, then rows(r) += scale[i] · out_grad[segments[i]] for the valid slots i of row
 // r = local[i], in slot order (ScatterRows); rows: DenseRows<float> or PieceRows<float>.
 template <class Rows>
@@ -1232,6 +1273,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedScatterAdd, jaxembed::Safe<jaxembed::Scatt
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("num_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedScatterAddPieces,
+                              jaxembed::Safe<jaxembed::ScatterAddPiecesImpl>::Call,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("num_threads"));
 

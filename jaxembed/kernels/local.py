@@ -36,6 +36,7 @@ __all__ = [
     "reads_a_row",
     "scaled_bag_grads",
     "scatter_add",
+    "scatter_add_pieces",
 ]
 
 
@@ -204,6 +205,15 @@ def bag_scatter_add(
       f32[V_local, H].
     """
     return scatter_add(shape, local, valid, scaled_bag_grads(segments, scale, out_grad))
+
+
+def scatter_add_pieces(
+    shape: tuple[int, int], local: jax.Array, valid: jax.Array, pieces: Sequence[jax.Array]
+) -> jax.Array:
+    """`scatter_add` with the slots' gradients as n pieces f[C, H], slot i's in piece i // C:
+    the results of an `all_to_all`, which XLA:CPU makes separate buffers (the native twin
+    reads them in place; here they are concatenated)."""
+    return scatter_add(shape, local, valid, jnp.concatenate(list(pieces)))
 
 
 def bag_scatter_add_pieces(

@@ -12,6 +12,7 @@ either; the collectives stay in JAX.
     pool_sum, pool_max          local.pool_sum, local.pool_max
     pool_sum_pieces             local.pool_sum_pieces (the table as an all_to_all's pieces)
     scatter_add                 local.scatter_add
+    scatter_add_pieces          local.scatter_add_pieces (the grads as an all_to_all's pieces)
     bag_scatter_add             local.bag_scatter_add (local.scatter_add of bag slot grads)
     bag_scatter_add_pieces      local.bag_scatter_add_pieces (into an all_to_all's pieces)
     dedup_rows                  sparse.dedup_rows
@@ -84,6 +85,7 @@ __all__ = [
     "pool_sum",
     "pool_sum_pieces",
     "scatter_add",
+    "scatter_add_pieces",
     "supports_dtype",
     "why_unavailable",
 ]
@@ -308,6 +310,38 @@ def scatter_add(
     grads = _grads("scatter_add", "grads", grads.reshape(-1, hidden))
     out = jax.ShapeDtypeStruct((rows, hidden), jnp.float32)
     return _call("jaxembed_scatter_add", out, flat_local, flat_valid, grads, num_threads=threads)
+
+
+def scatter_add_pieces(
+    shape: tuple[int, int], local: jax.Array, valid: jax.Array, pieces: Any
+) -> jax.Array:
+    """`scatter_add` with the slots' gradients as n pieces f[C, H] (slot i's in piece
+    i // C), read in place: the results of an `all_to_all`, which XLA:CPU keeps as separate
+    buffers (their `jnp.concatenate` would be one more copy of every gradient). Same result
+    as `local.scatter_add_pieces`.
+
+    Args:
+      shape: the gradient shard's `(V_local, H_local)`.
+      local, valid: int[M], bool[M] (n·C = M).
+      pieces: n arrays f[C, H_local], one shape and dtype.
+
+    Returns:
+      f32[V_local, H_local].
+    """
+    threads = _require("scatter_add_pieces")
+    rows, hidden = (int(d) for d in shape)
+    flat_local, flat_valid = _slots("scatter_add_pieces", local, valid)
+    pieces = [_grads("scatter_add_pieces", f"piece {j}", p) for j, p in enumerate(pieces)]
+    want = (flat_local.shape[0] // max(len(pieces), 1), hidden)
+    for j, piece in enumerate(pieces):
+        if piece.shape != want or len(pieces) * want[0] != flat_local.shape[0]:
+            raise ValueError(
+                f"scatter_add_pieces: piece {j} has shape {piece.shape}; {len(pieces)} pieces "
+                f"for M={flat_local.shape[0]} slots and H={hidden} must each be {want}"
+            )
+    out = jax.ShapeDtypeStruct((rows, hidden), jnp.float32)
+    return _call("jaxembed_scatter_add_pieces", out, flat_local, flat_valid, *pieces,
+                 num_threads=threads)  # fmt: skip
 
 
 def bag_scatter_add(
