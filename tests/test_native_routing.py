@@ -331,6 +331,20 @@ def test_bag_rows_cross_the_all_to_all_in_pieces():
     assert copies["xla"][0] >= 16 and copies["xla"][1] >= 2, copies
 
 
+def _routed_update(opt, mesh, table, x, ct, kw):
+    """One routed row-sparse update on `mesh` (table by rows over "model", ids and `ct` by
+    batch), compiled: `(copies, table, state slots)`, `copies` as `_all_to_all_copies` counts
+    them; no step falls back."""
+    t = put(table, mesh, P("model", None))
+    args = (t, opt.init(t), put(x, mesh, P("model")), put(ct, mesh, P("model")))
+    update = jax.jit(lambda t, s, x, g: opt.update(t, s, x, g, **kw))
+    compiled = update.lower(*args).compile()
+    new_t, new_state = compiled(*args)
+    assert int(new_state.routed_fallbacks) == 0
+    slots = [a for a in jax.tree.leaves(new_state) if a.shape[:1] == table.shape[:1]]
+    return _all_to_all_copies(compiled.as_text()), new_t, slots
+
+
 def test_update_reads_the_gradient_pieces_in_place():
     """The routed bag's row-sparse update: the sources sum their gradients into pieces, the
     owners update from the pieces they receive (`apply_rows_pieces`): no float all_to_all
@@ -347,14 +361,7 @@ def test_update_reads_the_gradient_pieces_in_place():
     for impl in ("native", "xla"):
         kw = dict(vocab_size=VOCAB, combiner="sum", exchange="routed", routed_pool="source",
                   impl=impl, x_spec=P("model"), weight_spec=P("model", None))  # fmt: skip
-        t = put(table, mesh, P("model", None))
-        args = (t, opt.init(t), put(x, mesh, P("model")), put(ct, mesh, P("model")))
-        update = jax.jit(lambda t, s, x, g, kw=kw: opt.update(t, s, x, g, **kw))
-        compiled = update.lower(*args).compile()
-        copies[impl] = _all_to_all_copies(compiled.as_text())
-        new_t, new_state = compiled(*args)
-        assert int(new_state.routed_fallbacks) == 0
-        slots = [a for a in jax.tree.leaves(new_state) if a.shape[:1] == (64,)]
+        copies[impl], new_t, slots = _routed_update(opt, mesh, table, x, ct, kw)
         ids = np.concatenate([b[b >= 0] for b in x])
         grads = np.concatenate([np.repeat(ct[b][None], (x[b] >= 0).sum(), 0)
                                 for b in range(64)]).astype(np.float64)  # fmt: skip
@@ -413,14 +420,7 @@ def test_lookup_update_reads_the_gradient_pieces_in_place():
     for impl in ("native", "xla"):
         kw = dict(vocab_size=VOCAB, padding_idx=PAD, exchange="routed", impl=impl,
                   x_spec=P("model"), weight_spec=P("model", None))  # fmt: skip
-        t = put(table, mesh, P("model", None))
-        args = (t, opt.init(t), put(ids, mesh, P("model")), put(ct, mesh, P("model")))
-        update = jax.jit(lambda t, s, x, g, kw=kw: opt.update(t, s, x, g, **kw))
-        compiled = update.lower(*args).compile()
-        copies[impl] = _all_to_all_copies(compiled.as_text())
-        new_t, new_state = compiled(*args)
-        assert int(new_state.routed_fallbacks) == 0
-        slots = [a for a in jax.tree.leaves(new_state) if a.shape[:1] == table.shape[:1]]
+        copies[impl], new_t, slots = _routed_update(opt, mesh, table, ids, ct, kw)
         ref_t, ref_s = reference.sparse_step(
             opt.formula, table.astype(np.float64),
             reference.init_states(opt.formula, table.shape[0], table.shape[1]), flat[valid],
