@@ -202,15 +202,19 @@ def route_rows(plan: EmbeddingPlan, table: jax.Array, buckets: Buckets, *, count
     if _apart(plan):  # each slot a bag of its own, read where the all_to_all left the rows
         pieces, reads = fetch_pieces(plan, table, buckets)
         m = place.shape[0]
-        slot = jnp.arange(m, dtype=jnp.int32)
-        ones = jnp.ones((m,), jnp.float32)
-        got = kernels_for(plan).pool_sum_pieces(pieces, place, fits, slot, ones, m)
+        got = kernels_for(plan).pool_sum_pieces(pieces, place, fits, *_bags_of_one(m), m)
         out = got.astype(pieces[0].dtype)  # one row times 1, exact
         return (out, reads) if count else out
     back, reads = fetch_rows(plan, table, buckets)
     got = back[jnp.where(fits, place, 0)]
     out = jnp.where(fits[:, None], got, jnp.zeros((), got.dtype))
     return (out, reads) if count else out
+
+
+def _bags_of_one(m: int) -> tuple[jax.Array, jax.Array]:
+    """The segments and factors of M bags of one slot each, i32[M] and f32[M]: a bag kernel
+    run over single slots (its sum of one row times 1 is that row, exactly)."""
+    return jnp.arange(m, dtype=jnp.int32), jnp.ones((m,), jnp.float32)
 
 
 def fetch_rows(plan: EmbeddingPlan, table: jax.Array, buckets: Buckets):
@@ -271,11 +275,8 @@ def route_grads(
     n, c = buckets.send.shape
     place, fits = places(buckets)
     if _apart(plan):  # summed into the pieces the all_to_all sends as they are
-        m = place.shape[0]
-        slot = jnp.arange(m, dtype=jnp.int32)
-        ones = jnp.ones((m,), jnp.float32)
         summed = kernels_for(plan).bag_scatter_add_pieces(
-            n, (c, grads.shape[-1]), place, fits, slot, ones, grads
+            n, (c, grads.shape[-1]), place, fits, *_bags_of_one(place.shape[0]), grads
         )  # n_S × f32[C, H/K]
         return send_grads(plan, buckets, summed)
     summed = kernels_for(plan).scatter_add((n * c, grads.shape[-1]), place, fits, grads)
