@@ -6,9 +6,10 @@
 XLA:CPU runs an `all_to_all` on one buffer per peer: it slices the `[n, C, H]` operand into
 n blocks and concatenates the n results. With the native kernels the routed exchange keeps
 its rows in those blocks (`jaxembed.kernels.routed.fetch_pieces`, `pool_sum_pieces`,
-`bag_scatter_add_pieces`, `apply_rows_pieces`, `scatter_add_pieces`). Here the `bench recsys` step of every table
-by mod rows with the planner's sized route (`jaxembed[mod-planned]`) is compiled twice on
-the same 8 devices, and timed interleaved with the 1-device step:
+`bag_scatter_add_pieces`, `apply_rows_pieces`, `scatter_add_pieces`). Here the `bench
+recsys` step of every table by mod rows with the planner's sized route
+(`jaxembed[mod-planned]`) is compiled twice on the same 8 devices, and timed interleaved
+with the 1-device step:
 
 * `pieces`: as the library runs it;
 * `copies`: the same program with the pieces undone, each pieces kernel replaced by its
