@@ -335,6 +335,15 @@ std::vector<T*> RowsOfPieces(const std::vector<T*>& pieces, int64_t C, int64_t H
   return rows;
 }
 
+// The same for pieces given untyped (CheckPieces' data), read as T.
+template <class T>
+std::vector<const T*> RowsOfPiecesAs(const std::vector<const void*>& pieces, int64_t C,
+                                     int64_t H) {
+  std::vector<const T*> typed(pieces.size());
+  for (size_t j = 0; j < pieces.size(); ++j) typed[j] = static_cast<const T*>(pieces[j]);
+  return RowsOfPieces(typed, C, H);
+}
+
 template <class T, class Rows = DenseRows<const T>>
 struct SumVisitor {
   Rows tab;
@@ -411,6 +420,15 @@ ffi::Error CheckPieces(const char* k, const char* what, ffi::RemainingArgs piece
   return ffi::Error::Success();
 }
 
+// n gradient pieces of C rows must hold the M slots' gradients, one a row.
+ffi::Error CheckPieceSlots(const char* k, size_t n, int64_t C, int64_t M) {
+  const int64_t rows = C * static_cast<int64_t>(n);
+  if (rows == M) return ffi::Error::Success();
+  return Invalid(k, std::to_string(n) + " gradient pieces of " + std::to_string(C) +
+                        " rows hold " + std::to_string(rows) +
+                        " slots' gradients, but local has M=" + std::to_string(M));
+}
+
 // pool_sum over a table held as n pieces f[C, H] (row r: piece r / C), read in place.
 ffi::Error PoolSumPiecesImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> valid,
                              ffi::Buffer<ffi::S32> segments, ffi::Buffer<ffi::F32> scale,
@@ -433,9 +451,7 @@ ffi::Error PoolSumPiecesImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED>
   Team team(ThreadsFor(num_threads, std::max(M, S)));
   DispatchFloat(type, [&](auto zero) {
     using T = decltype(zero);
-    std::vector<const T*> typed(data.size());
-    for (size_t j = 0; j < data.size(); ++j) typed[j] = static_cast<const T*>(data[j]);
-    const std::vector<const T*> rows = RowsOfPieces(typed, C, H);
+    const std::vector<const T*> rows = RowsOfPiecesAs<T>(data, C, H);
     SumVisitor<T, PieceRows<const T>> v{{rows.data(), C, H}, R, H, M, local.typed_data(),
                                         scale.typed_data(), out->typed_data()};
     ForEachSegment(M, S, segments.typed_data(), valid.typed_data(), team, v);
@@ -532,6 +548,19 @@ void ScatterRows(int64_t R, const int32_t* local, const bool* valid, int64_t M, 
   });
 }
 
+// out f32[R, H] = 0, then out[local[i]] += grads.Row(i) for the valid slots i in order
+// (ScatterRows); `grads` one [M, H] buffer or n pieces [C, H] (DenseRows / PieceRows of T).
+template <class T, class Grads>
+void ScatterGrads(int64_t R, int64_t H, int64_t M, ffi::Buffer<ffi::S32> local,
+                  ffi::Buffer<ffi::PRED> valid, const Grads& grads, float* out,
+                  int64_t num_threads) {
+  ScatterRows(R, local.typed_data(), valid.typed_data(), M, DenseRows<float>{out, H},
+              num_threads, [&](int64_t i, float* __restrict acc) {
+                const T* __restrict gi = grads.Row(i);
+                for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + ToF32(gi[h]);
+              });
+}
+
 ffi::Error ScatterAddImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> valid,
                           ffi::AnyBuffer grads, ffi::Result<ffi::Buffer<ffi::F32>> out,
                           int64_t num_threads) {
@@ -547,13 +576,8 @@ ffi::Error ScatterAddImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> va
   if (R * H == 0) return ffi::Error::Success();
   DispatchFloat(grads.element_type(), [&](auto zero) {
     using T = decltype(zero);
-    const T* g = static_cast<const T*>(grads.untyped_data());
-    const DenseRows<float> rows{out->typed_data(), H};
-    ScatterRows(R, local.typed_data(), valid.typed_data(), M, rows, num_threads,
-                [&](int64_t i, float* __restrict acc) {
-                  const T* __restrict gi = g + i * H;
-                  for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + ToF32(gi[h]);
-                });
+    const DenseRows<const T> rows{static_cast<const T*>(grads.untyped_data()), H};
+    ScatterGrads<T>(R, H, M, local, valid, rows, out->typed_data(), num_threads);
   });
   return ffi::Error::Success();
 }
@@ -575,26 +599,14 @@ ffi::Error ScatterAddPiecesImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PR
     return Invalid(k, "out has shape " + Dims(out->dimensions()) + ", expected [R, " +
                           std::to_string(H) + "]");
   }
-  const int64_t n = static_cast<int64_t>(data.size());
   const int64_t R = out->dimensions()[0], M = local.element_count();
-  if (C * n != M) {
-    return Invalid(k, std::to_string(n) + " gradient pieces of " + std::to_string(C) +
-                          " rows hold " + std::to_string(C * n) +
-                          " slots' gradients, but local has M=" + std::to_string(M));
-  }
+  if (auto e = CheckPieceSlots(k, data.size(), C, M); e.failure()) return e;
   if (R * H == 0) return ffi::Error::Success();
   DispatchFloat(type, [&](auto zero) {
     using T = decltype(zero);
-    std::vector<const T*> typed(data.size());
-    for (size_t j = 0; j < data.size(); ++j) typed[j] = static_cast<const T*>(data[j]);
-    const std::vector<const T*> rows = RowsOfPieces(typed, C, H);
-    const T* const* grad = rows.data();
-    ScatterRows(R, local.typed_data(), valid.typed_data(), M,
-                DenseRows<float>{out->typed_data(), H}, num_threads,
-                [&](int64_t i, float* __restrict acc) {
-                  const T* __restrict gi = grad[i];
-                  for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + ToF32(gi[h]);
-                });
+    const std::vector<const T*> rows = RowsOfPiecesAs<T>(data, C, H);
+    ScatterGrads<T>(R, H, M, local, valid, PieceRows<const T>{rows.data(), C, H},
+                    out->typed_data(), num_threads);
   });
   return ffi::Error::Success();
 }
@@ -1190,18 +1202,11 @@ ffi::Error ApplyRowsPiecesImpl(ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S
   ffi::DataType type{};
   if (auto e = CheckPieces(k, "gradient piece", args, &data, &C, &H, &type, n); e.failure())
     return e;
-  const int64_t M = local.element_count();
-  if (C * static_cast<int64_t>(n) != M) {
-    return Invalid(k, std::to_string(n) + " gradient pieces of " + std::to_string(C) +
-                          " rows hold " + std::to_string(C * static_cast<int64_t>(n)) +
-                          " slots' gradients, but local has M=" + std::to_string(M));
-  }
+  if (auto e = CheckPieceSlots(k, n, C, local.element_count()); e.failure()) return e;
   ffi::Error result = ffi::Error::Success();
   DispatchFloat(type, [&](auto zero) {
     using G = decltype(zero);
-    std::vector<const G*> typed(n);
-    for (size_t j = 0; j < n; ++j) typed[j] = static_cast<const G*>(data[j]);
-    const std::vector<const G*> rows = RowsOfPieces(typed, C, H);
+    const std::vector<const G*> rows = RowsOfPiecesAs<G>(data, C, H);
     const G* const* row_of = rows.data();
     auto grad_of = [=](int64_t i, const G** row, float* f) {
       *row = row_of[i];

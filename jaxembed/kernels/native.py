@@ -143,6 +143,20 @@ def _grads(kernel: str, name: str, grads: Any) -> Any:
     return grads
 
 
+def _grad_pieces(kernel: str, pieces: Any, m: int, hidden: int) -> list[Any]:
+    """The M slots' gradients as n pieces [C, H] (slot i's in piece i // C), checked to be
+    n·C = M rows of `hidden` columns, each as the kernels read it (`_grads`)."""
+    pieces = list(pieces)
+    want = (m // max(len(pieces), 1), hidden)
+    for j, piece in enumerate(pieces):
+        if piece.shape != want or len(pieces) * want[0] != m:
+            raise ValueError(
+                f"{kernel}: piece {j} has shape {piece.shape}; {len(pieces)} pieces for M={m} "
+                f"slots and H={hidden} must each be {want}"
+            )
+    return [_grads(kernel, f"piece {j}", p) for j, p in enumerate(pieces)]
+
+
 def _bag_slots(kernel: str, local: Any, valid: Any, segments: Any, scale: Any) -> list[Any]:
     """`[local, valid, segments, scale]` as a bag kernel reads them: [M], int32 / bool /
     int32 / float32, checked to have one shape (`_slots`)."""
@@ -331,14 +345,7 @@ def scatter_add_pieces(
     threads = _require("scatter_add_pieces")
     rows, hidden = (int(d) for d in shape)
     flat_local, flat_valid = _slots("scatter_add_pieces", local, valid)
-    pieces = [_grads("scatter_add_pieces", f"piece {j}", p) for j, p in enumerate(pieces)]
-    want = (flat_local.shape[0] // max(len(pieces), 1), hidden)
-    for j, piece in enumerate(pieces):
-        if piece.shape != want or len(pieces) * want[0] != flat_local.shape[0]:
-            raise ValueError(
-                f"scatter_add_pieces: piece {j} has shape {piece.shape}; {len(pieces)} pieces "
-                f"for M={flat_local.shape[0]} slots and H={hidden} must each be {want}"
-            )
+    pieces = _grad_pieces("scatter_add_pieces", pieces, flat_local.shape[0], hidden)
     out = jax.ShapeDtypeStruct((rows, hidden), jnp.float32)
     return _call("jaxembed_scatter_add_pieces", out, flat_local, flat_valid, *pieces,
                  num_threads=threads)  # fmt: skip
@@ -608,15 +615,7 @@ def apply_rows_pieces(
     """
     _check_update("apply_rows_pieces", formula, table, slots, hidden_size, hidden_axes)
     flat_local, flat_valid = _slots("apply_rows_pieces", local, valid)
-    pieces = list(pieces)
-    want = (flat_local.shape[0] // max(len(pieces), 1), table.shape[1])
-    for j, piece in enumerate(pieces):
-        if piece.shape != want or len(pieces) * want[0] != flat_local.shape[0]:
-            raise ValueError(
-                f"apply_rows_pieces: piece {j} has shape {piece.shape}; {len(pieces)} pieces "
-                f"for M={flat_local.shape[0]} slots and H={table.shape[1]} must each be {want}"
-            )
-    pieces = [_grads("apply_rows_pieces", f"piece {j}", p) for j, p in enumerate(pieces)]
+    pieces = _grad_pieces("apply_rows_pieces", pieces, flat_local.shape[0], table.shape[1])
     slot_args = (flat_local, flat_valid, *pieces)
     return _update("jaxembed_apply_rows_pieces", formula, table, slots, count, slot_args,
                    hidden_size)  # fmt: skip
