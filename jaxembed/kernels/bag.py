@@ -403,10 +403,7 @@ def _backward_body(plan: EmbeddingPlan, *arrays):
 
     ops = kernels_for(plan)
 
-    def scatter(local, here, grads):  # grads: f[M, H/K], or the routed exchange's pieces
-        if isinstance(grads, list | tuple):  # read where the all_to_all left them
-            return ops.scatter_add_pieces(plan.table_shard_shape, local, here, grads)
-        return ops.scatter_add(plan.table_shard_shape, local, here, grads)
+    scatter = functools.partial(routed_ops.scatter_grads, plan)  # f[M, H/K] grads, or pieces
 
     fused = None
     if plan.impl == "native":

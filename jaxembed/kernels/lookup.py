@@ -111,12 +111,7 @@ def _forward_body(plan: EmbeddingPlan, x: jax.Array, table: jax.Array):
 
 def _scatter_gradient(plan, ids, out_grad):
     # out_grad: f[*ids, H/K], or the routed exchange's pieces n_S × f32[C, H/K] (read in place)
-    local, valid = local_ops.local_rows(plan, ids)
-    ops = kernels_for(plan)
-    if isinstance(out_grad, list | tuple):
-        return ops.scatter_add_pieces(plan.table_shard_shape, local, valid, out_grad)
-    grads = out_grad.reshape(-1, out_grad.shape[-1])
-    return ops.scatter_add(plan.table_shard_shape, local.reshape(-1), valid.reshape(-1), grads)
+    return routed_ops.scatter_grads(plan, *local_ops.local_rows(plan, ids), out_grad)
 
 
 def _backward_body(plan: EmbeddingPlan, ids, overflow, out_grad: jax.Array) -> jax.Array:

@@ -55,6 +55,7 @@ __all__ = [
     "route_grads",
     "route_rows",
     "route_slots",
+    "scatter_grads",
     "send_grads",
 ]
 
@@ -296,6 +297,17 @@ def send_grads(plan: EmbeddingPlan, buckets: Buckets, summed: Any):
         return ids, [back[j] for j in range(n)]
     summed = _to_owners(plan, summed.reshape(n, c, -1)).reshape(n * c, -1)
     return ids, summed
+
+
+def scatter_grads(plan: EmbeddingPlan, local: jax.Array, valid: jax.Array, grads: Any):
+    """The table's gradient shard, f32[V/R, H/K]: each slot's gradient added at its row
+    `local` where `valid`. `grads` is f[..., H/K], one row a slot, or the n_S pieces
+    `send_grads` returns, which are scattered where the `all_to_all` left them."""
+    ops, shape = kernels_for(plan), plan.table_shard_shape
+    if isinstance(grads, list | tuple):
+        return ops.scatter_add_pieces(shape, local, valid, grads)
+    rows = grads.reshape(-1, grads.shape[-1])
+    return ops.scatter_add(shape, local.reshape(-1), valid.reshape(-1), rows)
 
 
 def joined(grads: Any) -> jax.Array:
