@@ -1,4 +1,4 @@
-"""Collectives read out of compiled HLO text, with the bytes they move.
+"""Collectives read out of compiled HLO text, with the bytes they move in one run.
 
 `collectives` walks every instruction line of an HLO module (the text of
 `jax.jit(f).lower(...).compile().as_text()`), in every computation, and returns one
@@ -11,6 +11,17 @@ explicit partition ids whichever way XLA spelled them: `{{0,1},{2,3}}`, the iota
 Bytes are per device. Wire bytes follow the ring model of DESIGN.md, with n the group size
 and N the result bytes: all-reduce 2(n-1)/n·N, reduce-scatter (n-1)·N, all-gather and
 all-to-all (n-1)/n·N, collective-permute N.
+
+Loops count their trips. The module's call graph (a `while`'s `body=` and `condition=`, a
+`conditional`'s branches, `calls=`, `to_apply=`, async wrappers) gives each collective its
+`trips`: how many times one run of the module executes it. A `while` runs its body n times
+and its condition n + 1 times, n being the `known_trip_count` XLA prints on it (a
+`lax.scan`, a `fori_loop` with static bounds); loops nest as products, and a computation
+called from several places adds them up. A `lax.while_loop` whose condition reads data has
+no known count: its collectives have `trips=None`, and `total_wire_bytes` refuses to guess
+(pass `unknown_trips=N`). A collective in a branch of a `conditional` counts as if its branch
+ran each time (`branches` names the conditional and branch), so a total over a program with
+branches is an upper bound that callers can split by branch.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxembed import _hlo_text
 from jaxembed.plan.cost import ring_wire_bytes
 
 __all__ = [
@@ -67,16 +79,9 @@ _BITS = {
     "opaque": 0,
 }
 
-_INSTRUCTION = re.compile(r"\s*(?:ROOT\s+)?%?(?P<name>[^\s=%(]+)\s*=\s*(?P<rest>\S.*)")
-_OPCODE = re.compile(r"\s*(?P<opcode>[a-z][\w\-]*)\(")
 _ARRAY = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[^\]]*)\](?:\{[^}]*\})?")
 _EXPLICIT = re.compile(r"\{(?:\{\d+(?:,\d+)*\}(?:,\{\d+(?:,\d+)*\})*)?\}")
 _IOTA = re.compile(r"\[(\d+),(\d+)\]<=\[(\d+(?:,\d+)*)\](?:T\((\d+(?:,\d+)*)\))?")
-_MESH = re.compile(
-    r"mesh\[(?P<axes>[^\]]*)\]"
-    r"(?:,\s*device_ids=\((?P<ids>\[[\d,]+\](?:T\([\d,]+\))?|[\d,]+)\))?"
-    r"\s*\{(?P<grouped>[^}]*)\}"
-)
 _MESH_AXIS = re.compile(r"'?(?P<name>[^',=\s]+)'?=(?P<size>\d+)")
 _AXIS_REF = re.compile(r"'?(?P<name>[^':,]+)'?(?::\((?P<pre>\d+)\)(?P<size>\d+))?")
 
@@ -88,7 +93,8 @@ class Collective:
     """One collective of a compiled program, with its bytes on one device.
 
     `collectives` returns one per collective instruction of an HLO module; the per-device
-    bytes make it comparable with a plan's `jaxembed.plan.Collective`.
+    bytes make it comparable with a plan's `jaxembed.plan.Collective`. The bytes are those
+    of one execution; `trips` says how many executions one run of the module makes.
 
     Attributes:
         kind: 'all-reduce', 'reduce-scatter', 'all-gather', 'all-to-all' or
@@ -102,15 +108,21 @@ class Collective:
             its (source, target) pairs.
         group_size: devices per group; for a collective-permute, the distinct devices
             named by its pairs.
-        wire_bytes: bytes one device sends, ring model.
+        wire_bytes: bytes one device sends in one execution, ring model.
+        trips: executions in one run of the module: the product of the trip counts of
+            the `while` loops around it (1 outside loops, and for a line outside any
+            computation); None where a loop's trip count is unknown to XLA.
+        branches: `(conditional, branch index)` of each `conditional` whose branch holds
+            it, outermost first (empty: it runs whichever branch is taken). For
+            `true_computation` / `false_computation`, the true branch is index 0.
 
     Examples:
         An all-gather of `f32[2, 128]` blocks over groups of 4 devices:
 
         >>> (c,) = collectives("%ag = f32[8,128]{1,0} all-gather(f32[2,128]{1,0} %x), "
         ...                    "replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}")
-        >>> c.kind, c.dtype, c.result_shape, c.group_size
-        ('all-gather', 'f32', ((8, 128),), 4)
+        >>> c.kind, c.dtype, c.result_shape, c.group_size, c.trips
+        ('all-gather', 'f32', ((8, 128),), 4, 1)
         >>> c.operand_bytes, c.result_bytes, c.wire_bytes    # (n - 1) / n of the result
         (1024, 4096, 3072.0)
     """
@@ -124,19 +136,29 @@ class Collective:
     replica_groups: Groups
     group_size: int
     wire_bytes: float
+    trips: int | None = 1
+    branches: tuple[tuple[str, int], ...] = ()
 
 
-def collectives(hlo_text: str, *, num_devices: int | None = None) -> list[Collective]:
+def collectives(
+    hlo_text: str, *, num_devices: int | None = None, unknown_trips: int | None = None
+) -> list[Collective]:
     """Lists the collectives of an HLO module in the order they appear.
 
     Every computation is read (fusions, while bodies, async wrappers); only instruction
     lines are parsed. A `-done` op is skipped: its `-start` is the collective. Operand
     shapes are read inline when printed, else from the operands' own instruction lines.
+    Each one's `trips` comes from the module's call graph (see the module docstring); a
+    computation that nothing calls (the ENTRY, or every computation of a text without
+    one) runs once.
 
     Args:
         hlo_text: HLO module text, e.g. `jax.jit(f).lower(x).compile().as_text()`.
         num_devices: how many devices `replica_groups={}` (or no groups) spans; by
             default the header's `num_partitions`, or its `replica_count` when that is 1.
+        unknown_trips: how many times to count a `while` whose trip count XLA does not
+            know (its condition then counts once more); by default such a loop's
+            collectives get `trips=None`.
 
     Returns:
         One `Collective` per collective instruction.
@@ -151,63 +173,70 @@ def collectives(hlo_text: str, *, num_devices: int | None = None) -> list[Collec
         >>> c.replica_groups, c.operand_bytes, c.result_bytes, c.wire_bytes
         (((0, 2, 4, 6), (1, 3, 5, 7)), 4096, 1024, 3072.0)
     """
-    header = re.search(r"^HloModule\b.*$", hlo_text, re.MULTILINE)
-    if num_devices is None and header:
-        partitions = re.search(r"\bnum_partitions=(\d+)", header.group())
-        replicas = re.search(r"\breplica_count=(\d+)", header.group())
-        num_devices = int(partitions.group(1)) if partitions else 1
-        if num_devices == 1 and replicas:
-            num_devices = int(replicas.group(1))
-    shapes: dict[str, str] = {}  # instruction name -> the text of its result shape
-    found = []
-    for line in hlo_text.splitlines():
-        instruction = _INSTRUCTION.fullmatch(line)
-        if instruction is None:
-            continue
-        name, rest = instruction.group("name", "rest")
-        shapes[name] = shape_text = _balanced(rest) if rest.startswith("(") else rest.split()[0]
-        opcode = _OPCODE.match(rest, len(shape_text))
-        if opcode is None:
-            continue
-        kind = opcode.group("opcode").removesuffix("-start")
-        if kind in KINDS:
-            is_start = kind != opcode.group("opcode")
-            operands = _balanced(rest[opcode.end() - 1 :])
-            attrs = rest[opcode.end() - 1 + len(operands) :]
-            found.append(
-                _collective(
-                    kind,
-                    is_start,
-                    name,
-                    shape_text,
-                    operands[1:-1],
-                    attrs,
-                    line,
-                    shapes,
-                    num_devices,
-                )
-            )
-    return found
+    return [c for c, _ in _read(hlo_text, num_devices, unknown_trips)]
 
 
-def total_wire_bytes(hlo_text: str) -> float:
-    """Sums `wire_bytes` over the collectives of an HLO module.
+def total_wire_bytes(hlo_text: str, *, unknown_trips: int | None = None) -> float:
+    """Sums `wire_bytes × trips` over the collectives of an HLO module.
+
+    A collective in a loop counts once per trip. One in a branch of a `conditional` counts
+    as if its branch ran each time: with branches, the total is an upper bound, every
+    branch's bytes together; split it with `Collective.branches` (`collectives`).
 
     Args:
         hlo_text: HLO module text.
+        unknown_trips: how many times to count a `while` whose trip count XLA does not
+            know; by default such a loop holding a collective is an error.
 
     Returns:
         Bytes one device sends in one run of the module; 0.0 when it has no collectives.
 
+    Raises:
+        ValueError: a collective inside a `while` with no known trip count (a
+            `lax.while_loop` whose condition reads data), and no `unknown_trips`.
+
     Examples:
+        A `while` that XLA knows runs 5 times, around an all-reduce of 32 bytes over 4
+        devices (2 · 3/4 · 32 = 48 bytes a trip):
+
+        >>> body = "%ar = f32[8]{0} all-reduce(f32[8]{0} %p), replica_groups={{0,1,2,3}}"
+        >>> loop = "%w = f32[8]{0} while(f32[8]{0} %x), condition=%cond, body=%body"
+        >>> def module(loop):
+        ...     return "\\n".join(["%body (p: f32[8]) -> f32[8] {", "  ROOT " + body, "}",
+        ...                       "ENTRY %main (x: f32[8]) -> f32[8] {", "  ROOT " + loop, "}"])
+        >>> text = module(loop + ', backend_config={"known_trip_count":{"n":"5"}}')
+        >>> [(c.name, c.trips, c.wire_bytes) for c in collectives(text)]
+        [('ar', 5, 48.0)]
+        >>> total_wire_bytes(text)
+        240.0
+        >>> total_wire_bytes(module(loop), unknown_trips=2)   # a lax.while_loop: no known count
+        96.0
         >>> total_wire_bytes("%t = f32[8]{0} add(f32[8]{0} %a, f32[8]{0} %b)")
         0.0
     """
-    return float(sum(c.wire_bytes for c in collectives(hlo_text)))
+    found = _read(hlo_text, None, unknown_trips)
+    unknown = [(c, loops) for c, loops in found if c.trips is None]
+    if unknown:
+        loops = list(dict.fromkeys(w for _, around in unknown for w in around))
+        runs = ", ".join(f"{c.kind} {c.name!r}" for c, _ in unknown[:3])
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        one = len(loops) == 1
+        raise ValueError(
+            f"{'while' if one else 'whiles'} {', '.join(map(repr, loops))} "
+            f"{'has' if one else 'have'} no known trip count (XLA prints known_trip_count on a "
+            "loop with static bounds, such as lax.scan, but not on a lax.while_loop whose "
+            f"condition reads data), and {'it runs' if one else 'they run'} {runs}{more}: the "
+            "bytes of one run depend on how many times it loops. Pass "
+            "total_wire_bytes(hlo_text, unknown_trips=N) to count each such loop N times, or "
+            "weigh the collectives of collectives(hlo_text) (trips=None there) yourself."
+        )
+    return float(sum(c.wire_bytes * c.trips for c, _ in found))  # type: ignore[operator]
 
 
 def largest_collective(hlo_text: str) -> Collective | None:
     """Returns the collective with the most `result_bytes` (the first one on a tie).
+
+    One execution's bytes, whatever its `trips`: the largest buffer a collective moves.
 
     Args:
         hlo_text: HLO module text.
@@ -282,29 +311,37 @@ def compiled_hlo(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:
     return jitted.lower(*args, **kwargs).compile().as_text()
 
 
-def summarize(hlo_text: str, mesh: Any = None) -> str:
+def summarize(hlo_text: str, mesh: Any = None, *, unknown_trips: int | None = None) -> str:
     """Renders the collectives of an HLO module as a table, with a total row.
 
     Args:
         hlo_text: HLO module text.
         mesh: the mesh the module was compiled over; adds a column of spanned mesh axes.
+        unknown_trips: how many times to count a `while` whose trip count XLA does not
+            know; by default its collectives show trips `?`, and so do the totals.
 
     Returns:
-        One row per collective (kind, mesh axes, dtype[shape], result bytes, wire bytes;
-        a tuple result shows each array's dims, `f32[8,128],[4]`) and a row of totals.
+        One row per collective (kind, mesh axes, dtype[shape], its branches when the module
+        has a `conditional` holding collectives, trips, and the bytes of one execution:
+        result and wire) and a row of totals over one run of the module: each row's bytes
+        times its trips, every branch counted (`total_wire_bytes`). A tuple result shows
+        each array's dims, `f32[8,128],[4]`.
 
     Examples:
         >>> print(summarize("%g = bf16[8,4]{1,0} all-gather(bf16[2,4]{1,0} %p), "
         ...                 "replica_groups={{0,1,2,3}}, dimensions={0}"))
-        kind        shape      result_bytes  wire_bytes
-        all-gather  bf16[8,4]            64          48
-        total                            64          48
+        kind        shape      trips  result_bytes  wire_bytes
+        all-gather  bf16[8,4]      1            64          48
+        total                                   64          48
     """
-    found = collectives(hlo_text)
+    found = collectives(hlo_text, unknown_trips=unknown_trips)
+    branched = any(c.branches for c in found)
     head = [
         "kind",
         *(["mesh_axes"] if mesh is not None else []),
         "shape",
+        *(["branch"] if branched else []),
+        "trips",
         "result_bytes",
         "wire_bytes",
     ]
@@ -312,17 +349,18 @@ def summarize(hlo_text: str, mesh: Any = None) -> str:
     for c in found:
         axes = [",".join(mesh_axes(c, mesh)) or "-"] if mesh is not None else []
         shape = c.dtype + ",".join(f"[{','.join(map(str, dims))}]" for dims in c.result_shape)
-        rows.append([c.kind, *axes, shape, _number(c.result_bytes), _number(c.wire_bytes)])
-    rows.append(
-        [
-            "total",
-            *[""] * (len(head) - 3),
-            _number(sum(c.result_bytes for c in found)),
-            _number(sum(c.wire_bytes for c in found)),
-        ]
-    )
+        branch = [" ".join(f"{n}:{i}" for n, i in c.branches) or "-"] if branched else []
+        trips = "?" if c.trips is None else str(c.trips)
+        row = [c.kind, *axes, shape, *branch, trips]
+        rows.append([*row, _number(c.result_bytes), _number(c.wire_bytes)])
+    known = all(c.trips is not None for c in found)
+    totals = [
+        _number(sum(getattr(c, key) * c.trips for c in found)) if known else "?"
+        for key in ("result_bytes", "wire_bytes")
+    ]
+    rows.append(["total", *[""] * (len(head) - 3), *totals])
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    numeric = len(head) - 2  # the byte columns align right
+    numeric = len(head) - 3  # trips and the byte columns align right
     return "\n".join(
         "  ".join(
             cell.rjust(w) if i >= numeric else cell.ljust(w)
@@ -332,18 +370,44 @@ def summarize(hlo_text: str, mesh: Any = None) -> str:
     )
 
 
+def _read(
+    hlo_text: str, num_devices: int | None, unknown_trips: int | None
+) -> list[tuple[Collective, tuple[str, ...]]]:
+    """The collectives of a module, each with the unknown-count loops around it."""
+    header = re.search(r"^HloModule\b.*$", hlo_text, re.MULTILINE)
+    if num_devices is None and header:
+        partitions = re.search(r"\bnum_partitions=(\d+)", header.group())
+        replicas = re.search(r"\breplica_count=(\d+)", header.group())
+        num_devices = int(partitions.group(1)) if partitions else 1
+        if num_devices == 1 and replicas:
+            num_devices = int(replicas.group(1))
+    instructions = _hlo_text.instructions(hlo_text)
+    runs = _hlo_text.runs_of(_hlo_text.call_graph(instructions), unknown_trips)
+    shapes: dict[str, str] = {}  # instruction name -> the text of its result shape
+    found = []
+    for i in instructions:
+        shapes[i.name] = i.shape_text
+        kind = (i.opcode or "").removesuffix("-start")
+        if kind in KINDS:
+            c = _collective(kind, kind != i.opcode, i, shapes, num_devices)
+            run = runs(i.computation)
+            found.append((dataclasses.replace(c, trips=run.trips, branches=run.branches),
+                          run.unknown_loops))  # fmt: skip
+    return found
+
+
+# --- One collective's bytes and groups --------------------------------------------------------
+
+
 def _collective(
     kind: str,
     is_start: bool,
-    name: str,
-    shape_text: str,
-    operands: str,
-    attrs: str,
-    line: str,
+    instruction: _hlo_text.Instruction,
     shapes: dict[str, str],
     num_devices: int | None,
 ) -> Collective:
-    """Builds the `Collective` of one instruction line."""
+    """Builds the `Collective` of one instruction line; `_read` adds its trips and branches."""
+    shape_text, attrs, line = instruction.shape_text, instruction.attrs, instruction.line
     result, operand = shape_text, None
     elements = _elements(shape_text)
     if is_start and kind != "all-reduce" and len(elements) >= 2:
@@ -354,24 +418,24 @@ def _collective(
     arrays = _arrays(result, line)
     result_bytes = _nbytes(arrays, line)
     if kind == "collective-permute":
-        groups = _explicit(_attribute(attrs, "source_target_pairs") or "{}", line)
+        groups = _explicit(_hlo_text.attribute(attrs, "source_target_pairs") or "{}", line)
         group_size = len({device for pair in groups for device in pair})
         moves = any(source != target for source, target in groups)
         wire = float(result_bytes) if moves else 0.0
     else:
-        groups = _replica_groups(_attribute(attrs, "replica_groups"), line, num_devices)
+        groups = _replica_groups(_hlo_text.attribute(attrs, "replica_groups"), line, num_devices)
         group_size = len(groups[0])
         wire = ring_wire_bytes(kind, group_size, result_bytes)
     if operand is not None:
         operand_bytes = _nbytes(_arrays(operand, line), line)
     else:
-        operand_bytes = _operand_bytes(operands, shapes, line)
+        operand_bytes = _operand_bytes(instruction.operands[1:-1], shapes, line)
     if operand_bytes is None:  # an operand defined outside the text we were given
         scale = {"reduce-scatter": group_size, "all-gather": 1 / group_size}.get(kind, 1)
         operand_bytes = round(result_bytes * scale)
     return Collective(
         kind=kind,
-        name=name,
+        name=instruction.name,
         dtype=arrays[0][0],
         result_shape=tuple(dims for _, dims in arrays),
         result_bytes=result_bytes,
@@ -398,7 +462,7 @@ def _replica_groups(text: str | None, line: str, num_devices: int | None) -> Gro
         if iota := _IOTA.fullmatch(text):
             num_groups, group_size, dims, perm = iota.groups()
             return _rows(_iota(dims, perm).reshape(int(num_groups), int(group_size)))
-        if mesh := _MESH.fullmatch(text):
+        if mesh := _hlo_text.MESH.fullmatch(text):
             return _mesh_groups(mesh)
     except (KeyError, ValueError) as err:  # sizes that do not multiply up, a bad axis
         raise ValueError(
@@ -467,31 +531,6 @@ def _explicit(text: str, line: str) -> Groups:
     return tuple(tuple(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", text))
 
 
-def _attribute(attrs: str, key: str) -> str | None:
-    """The value of `key=` in an attribute list: up to its first top-level comma."""
-    found = re.search(rf"(?:^|[\s,]){key}=", attrs)
-    if found is None:
-        return None
-    if mesh := _MESH.match(attrs, found.end()):  # its device_ids part has a comma
-        return mesh.group()
-    depth = 0
-    for i in range(found.end(), len(attrs)):
-        depth += (attrs[i] in "{[(") - (attrs[i] in "}])")
-        if depth == 0 and attrs[i] == ",":
-            return attrs[found.end() : i].strip()
-    return attrs[found.end() :].strip()
-
-
-def _balanced(text: str) -> str:
-    """The prefix of `text` up to the `)` that closes its leading `(`."""
-    depth = 0
-    for i, char in enumerate(text):
-        depth += (char == "(") - (char == ")")
-        if depth == 0:
-            return text[: i + 1]
-    return text
-
-
 def _elements(shape: str) -> list[str]:
     """The top-level elements of a tuple shape `(a, (b, c), u32[])`; `[shape]` for an array."""
     if not shape.startswith("("):
@@ -551,8 +590,6 @@ def _number(value: float) -> str:
 
 _HLO_DTYPES = {"bool": "pred", "float16": "f16", "bfloat16": "bf16", "float32": "f32",
                "float64": "f64", "complex64": "c64", "complex128": "c128"}  # fmt: skip
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[^\s(]+)\s*\(.*\{\s*$")
-_CALLS = re.compile(r"\bcalls=%?(?P<name>[\w.\-]+)")
 _OP_NAME = re.compile(r'\bop_name="(?P<name>[^"]*)"')
 _PASS_THROUGH = ("copy", "copy-start", "copy-done", "bitcast", "get-tuple-element")
 
@@ -678,31 +715,18 @@ def check_in_place(compiled: Any, tables: Any) -> list[TableCopy]:
 
 def _copies(text: str) -> list[tuple[str, str, str | None]]:
     """`(name, result array, source argument)` of each copy outside fused computations."""
-    fused = {m.group("name") for m in _CALLS.finditer(text)}
-    roots: dict[str | None, str] = {}
+    instructions = _hlo_text.instructions(text)
+    fused = {c.callee for c in _hlo_text.call_graph(instructions) if c.key == "calls"}
+    roots = {i.computation: i.opcode for i in instructions
+             if i.opcode is not None and i.line.lstrip().startswith("ROOT")}  # fmt: skip
     lines: dict[str, tuple[str, str, str | None, list[str], str]] = {}
-    computation = None
-    for line in text.splitlines():
-        header = _COMPUTATION.match(line)
-        if header:
-            computation = header.group("name")
+    for i in instructions:
+        if i.opcode is None or i.computation in fused:
             continue
-        instruction = _INSTRUCTION.fullmatch(line)
-        if instruction is None:
-            continue
-        name, rest = instruction.group("name", "rest")
-        shape_text = _balanced(rest) if rest.startswith("(") else rest.split()[0]
-        opcode = _OPCODE.match(rest, len(shape_text))
-        if opcode is None:
-            continue
-        if line.lstrip().startswith("ROOT"):
-            roots[computation] = opcode.group("opcode")
-        if computation in fused:
-            continue
-        operands = re.findall(r"%([\w.\-]+)", _balanced(rest[opcode.end() - 1 :]))
-        called = _CALLS.search(rest)
-        lines[name] = (opcode.group("opcode"), _elements(shape_text)[0].split("{")[0],
-                       called.group("name") if called else None, operands, rest)  # fmt: skip
+        operands = re.findall(r"%([\w.\-]+)", i.operands)
+        called = _hlo_text.called(i.attrs, "calls")
+        lines[i.name] = (i.opcode, _elements(i.shape_text)[0].split("{")[0],
+                         called[0] if called else None, operands, i.attrs)  # fmt: skip
     found = []
     for name, (op, array, called, _, _) in lines.items():
         if op in ("copy", "copy-start") or (op == "fusion" and roots.get(called) == "copy"):

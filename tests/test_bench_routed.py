@@ -48,7 +48,7 @@ def test_routed_branches_in_the_hlo(routed_run):
                  for b in ("main", "routed", "fallback")}  # fmt: skip
         assert "all-to-all" in kinds["routed"], p["name"]  # (+ a psum over the other row axes)
         assert kinds["fallback"] and "all-to-all" not in kinds["fallback"], p["name"]
-        main = sum(c["wire_bytes"] for c in r["collectives"] if c["branch"] == "main")
+        main = sum(c["wire_bytes"] * c["trips"] for c in r["collectives"] if c["branch"] == "main")
         total = r["wire_bytes"] + r["fallback_wire_bytes"] - main
         assert r["all_branches_wire_bytes"] == pytest.approx(total)
         rows = p["implementations"]["rows"]

@@ -7,6 +7,7 @@ Expected bytes are computed in each test from the shapes and the ring-model form
 
 import doctest
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -301,7 +302,221 @@ ENTRY %main (x: f32[8]) -> f32[8] {
     ar, ag = hlo.collectives(text)
     assert (ar.name, ar.operand_bytes, ar.wire_bytes) == ("ar.1", 32, 2 * 1 / 2 * 32)
     assert (ag.name, ag.replica_groups, ag.operand_bytes) == ("ag.1", ((0, 1),), 32)
+    assert (ar.trips, ag.trips) == (None, 1)  # %loop prints no known_trip_count
     assert hlo.collectives(text.split("\n\n")[0]) == []
+
+
+# --- loops and branches: the call graph -------------------------------------------------------
+
+
+# Group size 4 everywhere. The outer loop runs 4 times; inside it an inner loop of 3 trips
+# (whose condition runs 3 + 1 times), a conditional, and an async reduce-scatter whose -done
+# names the same wrapped computation. %shared is called twice from the ENTRY.
+LOOPS_MODULE = """HloModule loops, num_partitions=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%inner_body (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %ar.inner = f32[8]{0} all-reduce(%p), replica_groups={{0,1,2,3}}, to_apply=%add
+}
+
+%inner_cond (q: f32[8]) -> pred[] {
+  %q = f32[8]{0} parameter(0)
+  %s = f32[] reduce(%q, %zero), dimensions={0}, to_apply=%add
+  %ar.cond = f32[] all-reduce(%s), replica_groups={{0,1,2,3}}, to_apply=%add
+  ROOT %lt = pred[] compare(%ar.cond, %zero), direction=LT
+}
+
+%yes (t: f32[8]) -> f32[8] {
+  %t = f32[8]{0} parameter(0)
+  ROOT %a2a = f32[8]{0} all-to-all(%t), replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+%no (u: f32[8]) -> f32[8] {
+  %u = f32[8]{0} parameter(0)
+  ROOT %cp = f32[8]{0} collective-permute(%u), source_target_pairs={{0,1},{1,0}}
+}
+
+%wrapped (v: f32[8]) -> f32[2] {
+  %v = f32[8]{0} parameter(0)
+  ROOT %rs = f32[2]{0} reduce-scatter(%v), replica_groups={{0,1,2,3}}, dimensions={0}, \
+to_apply=%add
+}
+
+%outer_body (r: f32[8]) -> f32[8] {
+  %r = f32[8]{0} parameter(0)
+  %w.inner = f32[8]{0} while(%r), condition=%inner_cond, body=%inner_body, \
+backend_config={"known_trip_count":{"n":"3"}}
+  %pred = pred[] constant(true)
+  %cond.1 = f32[8]{0} conditional(%pred, %w.inner, %w.inner), true_computation=%yes, \
+false_computation=%no
+  %as = ((f32[8]{0}), f32[2]{0}) async-start(%cond.1), calls=%wrapped
+  %ad = f32[2]{0} async-done(%as), calls=%wrapped
+  ROOT %out = f32[8]{0} copy(%cond.1)
+}
+
+%shared (w: f32[8]) -> f32[32] {
+  %w = f32[8]{0} parameter(0)
+  ROOT %ag.shared = f32[32]{0} all-gather(%w), replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %w.outer = f32[8]{0} while(%x), condition=%outer_cond, body=%outer_body, \
+backend_config={"dynamic_variables":[],"known_trip_count":{"n":"4"}}
+  %c1 = f32[32]{0} call(%x), to_apply=%shared
+  %c2 = f32[32]{0} call(%w.outer), to_apply=%shared
+  ROOT %y = f32[8]{0} copy(%w.outer)
+}
+"""
+
+
+def test_trips_multiply_through_loops_and_add_over_callers():
+    found = {c.name: c for c in hlo.collectives(LOOPS_MODULE)}
+    trips = {name: (c.trips, c.branches) for name, c in found.items()}
+    assert trips == {
+        "ar.inner": (4 * 3, ()),  # inner body, in the outer body
+        "ar.cond": (4 * (3 + 1), ()),  # a condition runs once more than its body
+        "a2a": (4, (("cond.1", 0),)),  # true_computation: branch 0
+        "cp": (4, (("cond.1", 1),)),
+        "rs": (4, ()),  # the async-done's calls= is not a second run
+        "ag.shared": (2, ()),  # called from two places
+    }
+    n, f32 = 4, 4
+    per_trip = {  # ring model: 2(n-1)/n·N, (n-1)/n·N, N, (n-1)·N
+        "ar.inner": 2 * (n - 1) / n * 8 * f32,
+        "ar.cond": 2 * (n - 1) / n * f32,
+        "a2a": (n - 1) / n * 8 * f32,
+        "cp": 8 * f32,
+        "rs": (n - 1) * 2 * f32,
+        "ag.shared": (n - 1) / n * 32 * f32,
+    }
+    assert {name: c.wire_bytes for name, c in found.items()} == per_trip
+    want = sum(per_trip[name] * t for name, (t, _) in trips.items())
+    assert want == 12 * 48 + 16 * 6 + 4 * 24 + 4 * 32 + 4 * 24 + 2 * 96
+    assert hlo.total_wire_bytes(LOOPS_MODULE) == want  # every branch: an upper bound
+    rows = hlo.summarize(LOOPS_MODULE).splitlines()
+    assert rows[0].split() == ["kind", "shape", "branch", "trips", "result_bytes", "wire_bytes"]
+    assert rows[1].split() == ["all-reduce", "f32[8]", "-", "12", "32", "48"]
+    assert rows[3].split() == ["all-to-all", "f32[8]", "cond.1:0", "4", "32", "24"]
+    assert rows[-1].split()[-1] == f"{want:,.0f}"
+
+
+def test_unknown_trips_must_be_a_count():
+    with pytest.raises(ValueError, match=r"unknown_trips must be a count >= 0 or None, got -1"):
+        hlo.total_wire_bytes(LOOPS_MODULE, unknown_trips=-1)
+
+
+def _while_names(text: str) -> list[str]:
+    """The names of the `while` instructions of an HLO text."""
+    return re.findall(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?\swhile\(", text, re.MULTILINE)
+
+
+def test_fori_loop_psum_counts_every_trip(mesh_8):
+    trips = 5
+    x = jnp.ones((16, 16), jnp.float32)  # f32[2, 16] per device
+
+    def body(a):
+        return jax.lax.fori_loop(0, trips, lambda i, c: jax.lax.psum(c, "model") / 8 + c, a)
+
+    text = _shard_map_hlo(mesh_8, body, x, P("model"), P("model"))
+    assert len(_while_names(text)) == 1  # XLA keeps the loop
+    (c,) = hlo.collectives(text)
+    n, nbytes = 8, _local_bytes(2, 16)
+    assert (c.kind, c.result_bytes, c.trips) == ("all-reduce", nbytes, trips)
+    assert hlo.total_wire_bytes(text) == trips * 2 * (n - 1) / n * nbytes
+    assert hlo.summarize(text).splitlines()[-1].split() == [
+        "total",
+        f"{trips * nbytes:,}",
+        f"{trips * 2 * (n - 1) * nbytes // n:,}",
+    ]
+
+
+def test_scan_all_gather_counts_every_step(mesh_8):
+    steps = 6
+    x = jnp.ones((steps, 8, 4), jnp.float32)  # the scanned f32[steps, 1, 4] per device
+
+    def body(xs):
+        def step(total, x):  # x: f32[1, 4]
+            gathered = jax.lax.all_gather(x, "model", axis=0, tiled=True)  # f32[8, 4]
+            return total + gathered.sum(), None
+
+        return jax.lax.scan(step, jnp.zeros((), xs.dtype), xs)[0]
+
+    text = _shard_map_hlo(mesh_8, body, x, P(None, "model"), P(), check_vma=False)
+    assert len(_while_names(text)) == 1
+    (c,) = hlo.collectives(text)
+    n, gathered = 8, _local_bytes(8, 4)
+    assert (c.kind, c.result_bytes, c.trips) == ("all-gather", gathered, steps)
+    assert hlo.total_wire_bytes(text) == steps * (n - 1) / n * gathered
+
+
+def test_nested_loops_multiply(mesh_8):
+    outer, inner = 3, 4
+    x = jnp.ones((8, 16), jnp.float32)  # f32[1, 16] per device
+
+    def body(a):
+        step = lambda i, c: jax.lax.psum(c, "model") / 8 + c
+        return jax.lax.fori_loop(
+            0, outer, lambda i, c: jax.lax.fori_loop(0, inner, step, c) * 0.5, a
+        )
+
+    text = _shard_map_hlo(mesh_8, body, x, P("model"), P("model"))
+    assert len(_while_names(text)) == 2
+    (c,) = hlo.collectives(text)
+    n, nbytes = 8, _local_bytes(1, 16)
+    assert c.trips == outer * inner
+    assert hlo.total_wire_bytes(text) == outer * inner * 2 * (n - 1) / n * nbytes
+
+
+def test_data_dependent_while_loop_is_named_not_guessed(mesh_8):
+    x = jnp.ones((8, 16), jnp.float32)  # f32[1, 16] per device
+
+    def body(a):  # as many trips as the data asks for
+        return jax.lax.while_loop(
+            lambda c: c.sum() < 1000.0, lambda c: jax.lax.psum(c, "model") + c, a
+        )
+
+    text = _shard_map_hlo(mesh_8, body, x, P("model"), P("model"))
+    (loop,) = _while_names(text)
+    assert "known_trip_count" not in text
+    (c,) = hlo.collectives(text)
+    assert c.trips is None
+    with pytest.raises(ValueError, match=rf"while '{re.escape(loop)}' has no known trip count"
+                       rf".* runs all-reduce '{re.escape(c.name)}'.*unknown_trips=N"):  # fmt: skip
+        hlo.total_wire_bytes(text)
+    n, nbytes = 8, _local_bytes(1, 16)
+    assert hlo.total_wire_bytes(text, unknown_trips=3) == 3 * 2 * (n - 1) / n * nbytes
+    assert hlo.collectives(text, unknown_trips=3)[0].trips == 3
+    assert [row.split() for row in hlo.summarize(text).splitlines()[1:]] == [
+        ["all-reduce", "f32[1,16]", "?", f"{nbytes}", f"{2 * 7 * nbytes // 8}"],
+        ["total", "?", "?"],
+    ]
+
+
+def test_conditional_branches_are_flagged(mesh_8):
+    x = jnp.ones((8, 16), jnp.float32)  # f32[1, 16] per device
+
+    def body(a):
+        gather = lambda v: jax.lax.all_gather(v, "model", axis=0, tiled=True)[:1]  # f32[8, 16]
+        return jax.lax.cond(a[0, 0] > 0, lambda v: jax.lax.psum(v, "model"), gather, a)
+
+    text = _shard_map_hlo(mesh_8, body, x, P("model"), P("model"), check_vma=False)
+    (conditional,) = re.findall(r"%([\w.\-]+) = .*?\sconditional\(", text)
+    found = {c.kind: c for c in hlo.collectives(text)}
+    assert set(found) == {"all-reduce", "all-gather"}
+    # lax.cond's branch 0 is its false branch: the gather
+    assert found["all-gather"].branches == ((conditional, 0),)
+    assert found["all-reduce"].branches == ((conditional, 1),)
+    assert {c.trips for c in found.values()} == {1}
+    n, row = 8, _local_bytes(1, 16)
+    psum, gather = 2 * (n - 1) / n * row, (n - 1) / n * 8 * row
+    assert hlo.total_wire_bytes(text) == psum + gather  # both branches: an upper bound
 
 
 # --- mesh_axes and summarize -------------------------------------------------------------------
@@ -339,22 +554,23 @@ def test_summarize_lists_each_collective_and_the_total():
         ]
     )
     assert hlo.summarize(text, MESH_2X4).splitlines() == [
-        "kind        mesh_axes  shape      result_bytes  wire_bytes",
-        "all-reduce  model      f32[4]               16          24",
-        "all-gather  data       bf16[8,4]            64          32",
-        "total                                       80          56",
+        "kind        mesh_axes  shape      trips  result_bytes  wire_bytes",
+        "all-reduce  model      f32[4]         1            16          24",
+        "all-gather  data       bf16[8,4]      1            64          32",
+        "total                                              80          56",
     ]
     combined = "%ar = (f32[8]{0}, f32[]) all-reduce(%a, %b), replica_groups={{0,1}}"
     assert hlo.summarize(combined).splitlines()[1].split() == [
         "all-reduce",
         "f32[8],[]",
+        "1",
         "36",
         "36",
     ]
     assert hlo.summarize(_all_reduce("{{0,1,2}}")).splitlines() == [
-        "kind        shape   result_bytes  wire_bytes",
-        "all-reduce  f32[4]            16       21.33",
-        "total                         16       21.33",
+        "kind        shape   trips  result_bytes  wire_bytes",
+        "all-reduce  f32[4]      1            16       21.33",
+        "total                                16       21.33",
     ]
 
 

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxembed import hlo
 from jaxembed.losses import plan_cross_entropy, vocab_parallel_cross_entropy
+from jaxembed.plan.cost import ring_wire_bytes
 from jaxembed.rules import DistSpec, ShardingConflictError
 from jaxembed.rules.cross_entropy import cross_entropy_forward, cross_entropy_grad
 
@@ -276,6 +277,50 @@ def test_collectives_follow_the_plan():
     ]  # fmt: skip
     assert plan.num_chunks == 4 and plan.local_tokens == 64
     assert "all_gather" in str(plan) and "softmax statistics" in str(plan)
+
+
+def test_chunked_loss_bytes_count_every_chunk():
+    """With the table's hidden axis split, each logits chunk is psummed over it, in the
+    forward's scan and again in the backward's: the compiled bytes count every chunk."""
+    mesh = make_mesh((2, 4), AxisType.Explicit)
+    tokens, (vocab, hidden) = (4, 32), (4096, 32)
+    specs = (P(None, None, "data"), P("model", "data"), P(None, None))  # the kernel's layouts
+
+    def program(chunk):
+        shapes = ((*tokens, hidden), (vocab, hidden), tokens)
+        args = [jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, p)) for s, d, p in
+                zip(shapes, (jnp.float32, jnp.float32, jnp.int32), specs, strict=True)]  # fmt: skip
+        f = lambda h, t, y: vocab_parallel_cross_entropy(
+            h, t, y, reduction="sum", vocab_chunk_size=chunk
+        )
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(*args).compile().as_text()
+
+    plan = plan_cross_entropy(mesh, (*tokens, hidden), (vocab, hidden), hidden_spec=specs[0],
+                              weight_spec=specs[1], vocab_chunk_size=256)  # fmt: skip
+    assert (plan.hidden_axes, plan.row_axes, plan.batch_axes) == (("data",), ("model",), ())
+    assert [(phase, op, operand) for phase, op, _, operand in plan.collectives] == [
+        ("forward", "psum", "logits chunk"), ("forward", "psum", "label logit and logit sum"),
+        ("forward", "all_gather", "softmax statistics"), ("backward", "psum", "logits chunk"),
+        ("backward", "psum", "hidden_grad"),
+    ]  # fmt: skip
+    T, C, chunks, f32 = 4 * 32, 256, 4096 // 4 // 256, 4  # every token on every device
+    k, r, h_k = 2, 4, hidden // 2  # hidden split over data (K), rows over model (R)
+    assert (plan.local_tokens, plan.chunk_rows, plan.num_chunks) == (T, C, chunks)
+    logits_chunk = ring_wire_bytes("all-reduce", k, T * C * f32)  # f32[T, C], per chunk
+    rest = (
+        ring_wire_bytes("all-reduce", k, 2 * T * f32)  # label logit and logit sum, f32[T] each
+        + ring_wire_bytes("all-gather", r, r * 4 * T * f32)  # statistics f32[R, 4, T]
+        + ring_wire_bytes("all-reduce", r, T * h_k * f32)  # hidden_grad f32[T, H/K]
+    )
+    chunked = hlo.total_wire_bytes(program(256))
+    assert chunked == 2 * chunks * logits_chunk + rest  # forward and backward, every chunk
+    assert chunked == 1_068_032
+    # Unchunked, the forward's psum of the whole f32[T, V/R] logits block may serve the
+    # backward too (XLA merges the two identical psums): one pass, or both.
+    unchunked = hlo.total_wire_bytes(program(None))
+    one_pass, two_passes = chunks * logits_chunk + rest, 2 * chunks * logits_chunk + rest
+    assert unchunked in (one_pass, two_passes)
+    assert unchunked <= chunked  # chunking bounds the logits block; it never saves bytes
 
 
 # --- the rule -------------------------------------------------------------------------------

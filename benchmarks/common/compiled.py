@@ -30,7 +30,8 @@ def collective_record(c: hlo.Collective, mesh: Any) -> dict[str, Any]:
         "mesh_axes": list(hlo.mesh_axes(c, mesh)),
         "shape": f"{c.dtype}{shape}",
         "result_bytes": int(c.result_bytes),
-        "wire_bytes": float(c.wire_bytes),
+        "wire_bytes": float(c.wire_bytes),  # one execution; a step runs it `trips` times
+        "trips": c.trips,
     }
 
 

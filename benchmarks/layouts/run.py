@@ -81,7 +81,7 @@ def _compile(
         "status": "compiled",
         "mesh_axis_types": str(program.mesh.axis_types[0]).rsplit(".", 1)[-1],
         "compile_time_in_s": round(compile_s, 4),
-        "wire_bytes": float(sum(c["wire_bytes"] for c in found)),
+        "wire_bytes": hlo.total_wire_bytes(text),  # each collective times its trips
         "largest_collective": largest,
         "collectives": found,
         **memory_record(compiled),
