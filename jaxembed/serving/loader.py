@@ -23,6 +23,16 @@ An artifact that calls jaxembed's native kernels (`native_targets` in its manife
 them registered as XLA FFI targets before it compiles: `load(path,
 register=jaxembed.serving.register)`, in a process that has jaxembed.
 
+`Model.__call__` checks integer inputs on the host before jax sees them (with x64 off, jax
+narrows an int64 argument to int32 silently: id `2**32 + 7` would read row 7): a value that
+does not fit the exported dtype is refused, naming the argument, the first such value and
+its index; a float or bool array given for integers is refused, never rounded; integers of
+another dtype whose values all fit are cast to the exported one (numpy int64 ids for an int32
+model). A 64-bit array given for a `uint32` input (a dynamic table's keys `uint32[..., 2]`) is
+refused whatever its values, since its ids and keys' halves look alike.
+
+A damaged file (truncated, empty, another format) raises `ValueError` naming it and the fix.
+
 It is tested in a process where `import jaxembed` fails (tests/test_serving_export.py).
 """
 
@@ -30,6 +40,8 @@ from __future__ import annotations
 
 import json
 import re
+import zipfile
+import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -55,6 +67,9 @@ FORMAT = "jaxembed.serving/1"
 
 MANIFEST, PARAMS, EXPORTED = "manifest.json", "params.npz", "exported.bin"
 """The artifact's file names."""
+
+_REQUIRED = ("format", "function", "platforms", "native_targets", "params", "args")
+"""The manifest's keys the loader reads (`params_file` may be absent: no `params.npz`)."""
 
 _TARGET = re.compile(r'custom_call\s*@([\w.$-]+)|call_target_name\s*=\s*"([^"]+)"')
 
@@ -83,12 +98,21 @@ def stored_dtype(dtype: Any) -> np.dtype:
     return dtype if dtype.kind != "V" else np.dtype(f"u{dtype.itemsize}")
 
 
+def _damaged(file: Path, what: str, *, also: str = "") -> ValueError:
+    return ValueError(
+        f"{file} {what}: it is truncated or not a jaxembed.serving artifact{also}. Save the "
+        "artifact again with jaxembed.serving.save(artifact, path), or copy it again from where "
+        "it was saved"
+    )
+
+
 def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The artifact's manifest, checked for the format this loader reads.
+    """The artifact's manifest, checked for the format this loader reads and its keys.
 
     Raises:
       FileNotFoundError: `path` holds no `manifest.json`.
-      ValueError: a manifest of another format.
+      ValueError: a manifest of another format; one that is not JSON (truncated, empty) or
+        lacks keys the loader reads (each names the file and the fix).
     """
     file = Path(path) / MANIFEST
     if not file.is_file():
@@ -96,12 +120,24 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
             f"{file} does not exist: load() takes the directory jaxembed.serving.save(artifact, "
             "path) wrote (manifest.json, params.npz, exported.bin)"
         )
-    manifest = json.loads(file.read_text())
-    if manifest.get("format") != FORMAT:
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _damaged(file, f"is not a JSON manifest ({type(e).__name__}: {e})") from e
+    if not isinstance(manifest, dict):
+        raise _damaged(file, f"holds a JSON {type(manifest).__name__}, not an object")
+    if "format" in manifest and manifest["format"] != FORMAT:
         raise ValueError(
-            f"{file} is of format {manifest.get('format')!r}, and this loader reads {FORMAT!r}: "
+            f"{file} is of format {manifest['format']!r}, and this loader reads {FORMAT!r}: "
             "load it with the loader.py saved beside it, or export the model again"
         )
+    missing = [k for k in _REQUIRED if k not in manifest]
+    for key, needs in (("params", {"name", "dtype", "shape"}), ("args", {"dtype", "shape"})):
+        for i, entry in enumerate(manifest.get(key) or ()):
+            lacks = sorted(needs - set(entry)) if isinstance(entry, dict) else sorted(needs)
+            missing += [f"{key}[{i}].{k}" for k in lacks]
+    if missing:
+        raise _damaged(file, f"lacks the keys {missing}, which a {FORMAT} manifest has")
     return manifest
 
 
@@ -141,15 +177,13 @@ def _read_leaves(
                 f"params= lacks the leaves {missing}: pass them, e.g. load(path, "
                 "params=other.params) with the model of the same weights loaded first"
             )
-        stored = np.load(file, allow_pickle=False)
+        stored = _read_npz(file, missing)
     leaves = []
     for entry in entries:
         name = entry["name"]
         if name in given:
             array, source = given[name], "params="
         else:
-            if name not in stored.files:
-                raise ValueError(f"{path / PARAMS} has no array {name!r}: save the artifact again")
             array, source = stored[name], str(path / PARAMS)
             dtype = jnp.dtype(entry["dtype"])
             if stored_dtype(dtype) != dtype and array.dtype == stored_dtype(dtype):
@@ -157,6 +191,41 @@ def _read_leaves(
         _check_leaf(name, array, entry, source)
         leaves.append(array)
     return leaves
+
+
+def _read_npz(file: Path, names: list[str]) -> dict[str, np.ndarray]:
+    """The arrays `names` of the npz `file`, read whole (the file is closed after)."""
+    try:
+        stored = np.load(file, allow_pickle=False)
+        if isinstance(stored, np.lib.npyio.NpzFile):
+            with stored:
+                arrays = {name: stored[name] for name in names if name in stored.files}
+    except (zipfile.BadZipFile, zlib.error, EOFError, ValueError) as e:
+        why = "is empty" if file.stat().st_size == 0 else "is not a whole npz archive"
+        raise _damaged(file, f"{why} ({type(e).__name__}: {e})") from e
+    if not isinstance(stored, np.lib.npyio.NpzFile):
+        raise _damaged(file, f"holds one {_describe(stored.dtype, stored.shape)} array, not an npz")
+    absent = [name for name in names if name not in arrays]
+    if absent:
+        raise _damaged(file, f"has no arrays {absent}, which {MANIFEST} names")
+    return arrays
+
+
+def _deserialize(file: Path, manifest: Mapping[str, Any]) -> Any:
+    """The `jax.export.Exported` in `file`; a ValueError naming it where it does not read."""
+    data = file.read_bytes()
+    try:
+        return jax.export.deserialize(bytearray(data))
+    except Exception as e:  # whatever the flatbuffer reader raises: struct.error, IndexError
+        exporter = manifest.get("jax_version")
+        also = (
+            f", or one of a jax this one cannot read (jax {exporter} exported it, this is "
+            f"jax {jax.__version__})"
+            if data and exporter != jax.__version__
+            else ""
+        )
+        why = "is empty" if not data else f"does not deserialize ({type(e).__name__}: {e})"
+        raise _damaged(file, why, also=also) from e
 
 
 class Model:
@@ -178,6 +247,10 @@ class Model:
         self.params = dict(zip(self.leaf_names, self._leaves, strict=True))
         self._jitted = jax.jit(exported.call)
         self._compiled = None
+        self._arg_trees = tuple(exported.in_tree.children()[0].children()[1:])  # ((p, *a), {})
+        self._arg_avals = tuple(exported.in_avals[len(self._leaves) :])
+        names = [a.get("name") for a in manifest["args"]]
+        self._arg_names = names if len(names) == len(self._arg_avals) else []
 
     def compile(self) -> None:
         """Compiles the function for the exported arguments' shapes (when none is symbolic),
@@ -190,7 +263,27 @@ class Model:
         self._compiled = self._jitted.lower(self._leaves, *args).compile()
 
     def __call__(self, *args: Any) -> Any:
-        """The exported function of `args` (arrays shaped as exported; see `manifest["args"]`)."""
+        """The exported function of `args` (arrays shaped as exported; see `manifest["args"]`).
+
+        Integer inputs are checked on the host first (one min and max of each whose dtype is
+        not the exported one; concrete jax arrays too, traced ones not): integers of another
+        dtype whose values all fit the exported one are cast to it (numpy int64 ids for an
+        int32 model), never narrowed by jax. Ids that fit but lie outside a table's rows are
+        not refused: they read nothing, as the lookup under `jax.jit` (docs/serving.md).
+
+        Args:
+          *args: the exported function's arguments after the parameters.
+
+        Returns:
+          Its outputs, jax arrays in the exported pytree.
+
+        Raises:
+          ValueError: an integer input holding a value its exported dtype does not hold (the
+            argument, the first such value and its index, the fix); a 64-bit array for a
+            `uint32` input (keys); shapes or dtypes other than exported (what it takes).
+          TypeError: a float or bool array (or scalar) where integers were exported.
+        """
+        args = self._checked(args)
         if self._compiled is not None:
             try:
                 return self._compiled(self._leaves, *args)
@@ -207,6 +300,25 @@ class Model:
                 f"model was exported for inputs ({takes}); export it again for other shapes"
             ) from e
 
+    def _checked(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """`args` with each integer input checked against the exported dtype and cast to it;
+        unchanged where their structure is not the exported one (jax then says so)."""
+        if len(args) != len(self._arg_trees):
+            return args
+        out, flat_index = [], 0
+        for position, (arg, tree) in enumerate(zip(args, self._arg_trees, strict=True)):
+            leaves, structure = jax.tree.flatten(arg)
+            if structure != tree:
+                return args
+            checked = []
+            for leaf in leaves:
+                name = self._arg_names[flat_index] if flat_index < len(self._arg_names) else None
+                label = f"argument {position}" + (f" ({name})" if name else "")
+                checked.append(_checked_input(leaf, self._arg_avals[flat_index], label))
+                flat_index += 1
+            out.append(jax.tree.unflatten(structure, checked))
+        return tuple(out)
+
     def __repr__(self) -> str:
         args = ", ".join(_describe(a["dtype"], a["shape"]) for a in self.manifest["args"])
         native = self.manifest["native_targets"]
@@ -215,6 +327,58 @@ class Model:
             f"leaves, platforms={tuple(self.manifest['platforms'])}"
             f"{f', native={tuple(native)}' if native else ''})"
         )
+
+
+def _checked_input(x: Any, aval: Any, label: str) -> Any:
+    """`x` for an input exported as `aval`: cast to its integer dtype where every value fits.
+
+    Non-integer inputs, traced ones and non-arrays pass unchanged (jax checks them).
+    """
+    want = np.dtype(aval.dtype)
+    if want.kind not in "iu" or isinstance(x, jax.core.Tracer):
+        return x
+    if isinstance(x, bool | int | float | np.generic):
+        x = np.asarray(x)
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        return x
+    got = np.dtype(x.dtype)
+    if got == want:
+        return x
+    exported = _describe(want, aval.shape)
+    if got.kind not in "iu":
+        raise TypeError(
+            f"{label} is {_describe(got, x.shape)}, and the model was exported for {exported}: "
+            f"the loader never rounds or converts {got.name} to integers; pass an integer array "
+            f"(x.astype(np.{want.name}) where x holds whole ids, e.g. ids read as floats)"
+        )
+    if want == np.uint32 and got.itemsize == 8:
+        raise ValueError(
+            f"{label} is {_describe(got, x.shape)}, and the model was exported for {exported}, "
+            "a dynamic table's keys (each 64-bit id as its low and high 32 bits) or other "
+            "32-bit values: a 64-bit array is refused there whatever its values, since jax would "
+            "narrow it and 64-bit ids look like keys' halves. Convert 64-bit ids to keys on the "
+            "host: keys = ids.astype(np.uint64).view(np.uint32).reshape(*ids.shape, 2) on a "
+            "little-endian host ([..., 0] the low 32 bits, [..., 1] the high; "
+            "jaxembed.dynamic.as_keys(ids) where jaxembed is installed); cast keys' halves held "
+            "in a 64-bit array with x.astype(np.uint32)"
+        )
+    if not np.can_cast(got, want) and x.size:
+        info, wide = np.iinfo(want), np.iinfo(got)
+        if int(x.min()) < info.min or int(x.max()) > info.max:
+            host = np.asarray(x)
+            low, high = max(info.min, wide.min), min(info.max, wide.max)
+            index = np.unravel_index(np.argmax((host < low) | (host > high)), host.shape)
+            index = tuple(int(i) for i in index)
+            raise ValueError(
+                f"{label} is {_describe(got, x.shape)}, and its value {host[index]} at index "
+                f"{index} does not fit {want.name}, the dtype the model was exported for "
+                f"({exported}; {want.name} holds {info.min} to {info.max}). Such values are "
+                "refused, never narrowed (with x64 off, jax reads int64 id 2**32 + 7 as row 7): "
+                f"map such ids into the {want.name} range before serving (e.g. hash them into "
+                "the table's rows), or export and serve the model with jax_enable_x64 on for "
+                "int64 ids"
+            )
+    return x.astype(want)
 
 
 def load(
@@ -242,8 +406,10 @@ def load(
 
     Raises:
       FileNotFoundError: no artifact at `path`.
-      ValueError: another format; a leaf missing or of another dtype or shape (named); a
-        function exported for more devices than one or a platform this process lacks.
+      ValueError: another format; a file that does not read (`manifest.json`, `params.npz`
+        or `exported.bin` truncated, empty or of something else: named, with the fix); a
+        leaf missing or of another dtype or shape (named); a function exported for more
+        devices than one or a platform this process lacks.
       RuntimeError: a native artifact without `register`, or whose targets are not
         registered after it.
     """
@@ -259,7 +425,7 @@ def load(
         )
     if register is not None:
         register()
-    exported = jax.export.deserialize(bytearray((path / EXPORTED).read_bytes()))
+    exported = _deserialize(path / EXPORTED, manifest)
     device = jax.devices()[0] if device is None else device
     if exported.nr_devices != 1:
         raise ValueError(
