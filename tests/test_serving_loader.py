@@ -228,3 +228,23 @@ def test_a_manifest_missing_a_key_names_it(artifact, tmp_path, drop, named):
         r"manifest has: it is truncated or not a jaxembed\.serving artifact\. Save the artifact",
     ):
         serving.load(tmp_path / "copy", compile=False)
+
+
+def test_the_manifest_records_the_dtypes_the_exported_function_takes(tmp_path):
+    """With x64 off, numpy float64 params and int64 example ids export as float32 / int32:
+    the manifest and params.npz say so, the artifact loads, and int64 ids that do not fit
+    int32 are refused by the loader instead of narrowed."""
+    import jaxembed
+
+    table = np.arange(80, dtype=np.float64).reshape(40, 2) / 7
+    ids = np.array([[1, 2, -1, 39]] * 3, np.int64)
+    art = serving.export_inference(
+        lambda p, i: jaxembed.embedding_bag(i, p["t"], impl="xla"), {"t": table}, ids
+    )
+    assert [(e["dtype"], e["stored_as"]) for e in art.manifest["params"]] == [("float32",) * 2]
+    assert [e["dtype"] for e in art.manifest["args"]] == ["int32"]
+    model = serving.load(serving.save(art, tmp_path / "f64"))
+    want = embedding_bag_reference(table.astype(np.float32), ids, combiner="sum")
+    np.testing.assert_allclose(model(ids), want, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"value 4294967303 at index \(0, 1\) does not fit int32"):
+        model(np.where(np.arange(4) == 1, 2**32 + 7, ids))

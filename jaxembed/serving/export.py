@@ -225,6 +225,13 @@ def export_inference(
             "one-device functions: call its lookups without mesh= (or on a 1-device mesh, "
             "jax.make_mesh((1,), ('model',))) on unsharded arrays"
         )
+    # What the exported function takes (with x64 off, jax canonicalises 64-bit leaves and
+    # arguments to 32 bits): the manifest and params.npz record that, never the given dtypes,
+    # so that the loader checks inputs against the signature that runs.
+    taken = exported.in_avals
+    leaves = tuple(a.astype(t.dtype, copy=False) for a, t in zip(leaves, taken, strict=False))
+    arg_specs = [jax.ShapeDtypeStruct(s.shape, t.dtype)
+                 for s, t in zip(arg_specs, taken[len(leaves):], strict=True)]  # fmt: skip
     try:
         serialized = bytes(exported.serialize())
     except ImportError as e:
