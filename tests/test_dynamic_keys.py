@@ -99,8 +99,7 @@ def test_forms_convert_without_truncation():
     assert K.keys_to_host([5, -2]).tolist() == want[:2]
     pairs = np.array(want, np.uint32)
     assert K.as_keys(pairs).tolist() == want
-    assert K.as_keys(pairs.view(np.int32)).tolist() == want  # int32 halves by their bits
-    assert np.asarray(jax.jit(K.as_keys)(jnp.asarray(pairs.view(np.int32)))).tolist() == want
+    assert np.asarray(jax.jit(K.as_keys)(jnp.asarray(pairs))).tolist() == want
     assert K.to_uint64(K.as_keys(ids)).tolist() == ids.astype(np.uint64).tolist()
     assert K.as_keys(np.int64(3)).shape == (2,)
 
@@ -131,7 +130,17 @@ def test_x64_ids_are_split_under_jit():
         (
             np.array([1, 2, 3], np.int32),
             TypeError,
-            r"int32 ids of shape \(3,\) \(32-bit ids without the pair axis.*np.int64",
+            r"ids are int32 of shape \(3,\): int32 ids are refused.*narrows.*as_keys.*np.int64",
+        ),
+        (
+            np.array([[1, 2], [3, 4]], np.int32),
+            TypeError,
+            r"ids are int32 of shape \(2, 2\): int32 ids are refused.*as_keys",
+        ),
+        (
+            np.array([1, 2, 3], np.uint32),
+            TypeError,
+            r"uint32 ids of shape \(3,\) \(32-bit ids without the pair axis.*np.int64",
         ),
         (
             np.array([[1, 2, 3]], np.uint32),
@@ -156,7 +165,9 @@ def test_hostile_ids_are_named_with_the_fix(ids, error, match):
 @pytest.mark.parametrize(
     "x, error, match",
     [
-        (jnp.array([1, 2], jnp.int32), TypeError, r"32-bit ids without the pair axis"),
+        (jnp.array([1, 2], jnp.int32), TypeError, r"int32 ids are refused.*narrows.*as_keys"),
+        (jnp.array([[1, 2]], jnp.int32), TypeError, r"int32 of shape \(1, 2\).*as_keys"),
+        (jnp.array([1, 2], jnp.uint32)[:1], TypeError, r"32-bit ids without the pair axis"),
         (jnp.array([[1, 2, 3]], jnp.uint32), ValueError, r"trailing axis is 3, not 2"),
         (jnp.array([1.0, 2.0]), TypeError, r"float32 ids of shape \(2,\)"),
         (jnp.array([1, 2], jnp.int16), TypeError, r"int16 ids"),
@@ -223,3 +234,17 @@ def test_device_ids_keep_their_sharding_and_are_checked():
     assert keys is pairs and keys.sharding == sharding
     with pytest.raises(ValueError, match=r"ids\[3\] = 18446744073709551615"):
         K.as_keys(jnp.asarray(K.keys_to_host(np.array([0, 1, 2, -1]), check=False)))
+
+
+@pytest.mark.parametrize("shape", [(4,), (4, 2), (2, 3, 2)])
+def test_int64_ids_narrowed_by_jit_are_refused_in_every_shape(shape):
+    """With x64 off, jax.jit narrows a numpy int64 argument to int32 before the body runs:
+    an int64 [B, 2] would read as B keys' halves. Refused, naming the narrowing and as_keys."""
+    ids = np.arange(np.prod(shape), dtype=np.int64).reshape(shape) + 2**40
+    with pytest.raises(TypeError, match=r"int32 ids are refused: with x64 off, jax.jit narrows"):
+        jax.jit(K.as_keys)(ids)
+    with pytest.raises(TypeError, match=r"keys = jaxembed.dynamic.as_keys\(ids\)"):
+        K.as_keys(ids.astype(np.int32))  # eagerly too
+    keys = K.as_keys(ids)  # converted outside jit: every id, in full
+    got = np.asarray(jax.jit(lambda k: k)(keys))
+    assert K.to_uint64(got).tolist() == ids.astype(np.uint64).tolist()

@@ -299,11 +299,12 @@ def test_hostile_calls_name_the_value_and_the_fix():
                                             step_index=0) | kw | over))  # fmt: skip
     with pytest.raises(TypeError, match=r"got float32 ids of shape \(2,\)"):
         call(ids=jnp.array([1.0, 2.0]))
-    # int64 ids passed into jit without x64 arrive as int32: refused, never read as pairs
-    with pytest.raises(TypeError, match=r"32-bit ids without the pair axis"):
-        jax.jit(lambda i: call(ids=i))(np.array([1, 2], np.int64))
-    with pytest.raises(ValueError, match=r"int32 ids must be pairs .* trailing axis is 3"):
-        jax.jit(lambda i: call(ids=i))(np.array([[1, 2, 3]], np.int64))
+    # int64 ids passed into jit without x64 arrive as int32: refused in every shape (an
+    # int64 [B, 2] would read as B keys' halves), naming the narrowing and as_keys
+    for shape in [(2,), (1, 3), (3, 2), (2, 2, 2)]:
+        narrowed = np.arange(np.prod(shape), dtype=np.int64).reshape(shape) + 2**40
+        with pytest.raises(TypeError, match=r"int32 ids are refused: .*jax.jit narrows.*as_keys"):
+            jax.jit(lambda i: call(ids=i))(narrowed)
     with pytest.raises(ValueError, match=r"is EMPTY_ID.*check=False"):
         call(ids=np.array([5, -1], np.int64))
     with pytest.raises(ValueError, match=r"returned float32\[2, 8\], not float32\[1, 4\]"):
@@ -333,8 +334,14 @@ def test_hostile_calls_name_the_value_and_the_fix():
         call(dyn_table=D.init_table(DynamicTableConfig(capacity=32, bucket_size=4), H))
     with pytest.raises(ValueError, match=r"impl='cuda' must be one of"):
         call(impl="cuda")
-    with pytest.raises(ValueError, match=r"step_index=-1 must be in"):
-        call(step_index=-1)
+    with pytest.raises(TypeError, match=r"step_index must be an integer .*got 1.5"):
+        call(step_index=1.5)
+    with pytest.raises(ValueError, match=r"step_index must be a scalar, got shape \(2,\)"):
+        call(step_index=np.array([1, 2]))
+    # The step is read modulo 2**32: -1 (an int32 counter's wrap) is step 2**32 - 1.
+    wrapped, full = call(step_index=-1), call(step_index=2**32 - 1)
+    for a, b in zip(jax.tree.leaves(wrapped), jax.tree.leaves(full), strict=True):
+        np.testing.assert_array_equal(a, b)
     mesh = jax.make_mesh((8,), ("model",), axis_types=(AxisType.Auto,))
     with pytest.raises(ValueError, match=r"capacity 12 does not divide over mesh axes \('model',\) "
                                          r"\(size 8\).*use capacity=32"):  # fmt: skip

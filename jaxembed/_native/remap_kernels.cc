@@ -118,6 +118,10 @@ inline uint32_t Hi(uint64_t v) { return static_cast<uint32_t>(v >> 32); }
 inline int32_t WrapSub(int32_t a, int32_t b) {
   return static_cast<int32_t>(static_cast<uint32_t>(a) - static_cast<uint32_t>(b));
 }
+// Steps since last_seen at step t, (t - last) mod 2^32 (remap._age): the step counter may wrap.
+inline uint32_t Age(int32_t t, int32_t last) {
+  return static_cast<uint32_t>(t) - static_cast<uint32_t>(last);
+}
 inline int32_t WrapAdd(int32_t a, int32_t b) {
   return static_cast<int32_t>(static_cast<uint32_t>(a) + static_cast<uint32_t>(b));
 }
@@ -409,8 +413,9 @@ uint64_t* SortByHighHalf(uint64_t* keys, uint64_t* tmp, int64_t n, int bits) {
 #if defined(__AVX512F__)
 // The least of bucket `base`'s victims (as TakeSlots orders them), 16 slots a compare, for
 // S <= 64 a multiple of 16: the slots that may be taken as a mask, then the least count (lfu)
-// and the least last_seen among them as masked minima, then the first slot (least row) that
-// has both; -1 where no slot may be taken. One victim is what almost every eviction needs.
+// and the greatest age among them as masked minima (of the count, signed, and of ~age,
+// unsigned), then the first slot (least row) that has both; -1 where no slot may be taken.
+// One victim is what almost every eviction needs.
 inline int64_t LeastVictim(const Table& tb, const StepAttrs& at, int32_t t, int64_t base,
                            const uint32_t* keys, const int32_t* last, const int32_t* count) {
   const int64_t S = tb.S;
@@ -418,35 +423,42 @@ inline int64_t LeastVictim(const Table& tb, const StepAttrs& at, int32_t t, int6
   uint64_t ok = ~SlotMask(keys + 2 * base, S, kEmptyId) & all;  // held rows
   const __m512i now = _mm512_set1_epi32(t), ttl = _mm512_set1_epi32(
                                                 static_cast<int32_t>(at.ttl_steps));
+  auto age = [&](int64_t s) { return _mm512_sub_epi32(now, _mm512_loadu_si512(last + base + s)); };
   for (int64_t s = 0; s < S; s += 16) {
-    const __m512i l = _mm512_loadu_si512(last + base + s);
-    __mmask16 m = _mm512_cmpneq_epi32_mask(l, now);  // not read in this step
-    if (at.policy == kTtl) m &= _mm512_cmpgt_epi32_mask(_mm512_sub_epi32(now, l), ttl);
+    const __m512i a = age(s);
+    __mmask16 m = _mm512_test_epi32_mask(a, a);  // age != 0: not read in this step
+    if (at.policy == kTtl) m &= _mm512_cmpgt_epu32_mask(a, ttl);  // ages are unsigned
     ok &= ~(static_cast<uint64_t>(static_cast<__mmask16>(~m)) << s);
   }
   if (!ok) return -1;
-  auto least = [&](const int32_t* v, uint64_t mask) {  // min of v over mask, then where
-    __m512i lo = _mm512_set1_epi32(kInt32Max);
+  // The slots of `mask` where key(s) is least, signed or unsigned (ok before the first).
+  auto least = [&](auto key, bool is_unsigned, uint64_t mask) {
+    __m512i lo = _mm512_set1_epi32(is_unsigned ? -1 : kInt32Max);
     for (int64_t s = 0; s < S; s += 16) {
-      lo = _mm512_mask_min_epi32(lo, static_cast<__mmask16>(mask >> s), lo,
-                                 _mm512_loadu_si512(v + base + s));
+      const auto m = static_cast<__mmask16>(mask >> s);
+      lo = is_unsigned ? _mm512_mask_min_epu32(lo, m, lo, key(s))
+                       : _mm512_mask_min_epi32(lo, m, lo, key(s));
     }
-    const __m512i m = _mm512_set1_epi32(_mm512_reduce_min_epi32(lo));
+    const __m512i m = _mm512_set1_epi32(
+        is_unsigned ? static_cast<int32_t>(_mm512_reduce_min_epu32(lo))
+                    : _mm512_reduce_min_epi32(lo));
     uint64_t at_min = 0;
     for (int64_t s = 0; s < S; s += 16) {
-      at_min |= static_cast<uint64_t>(
-                    _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(v + base + s), m)) << s;
+      at_min |= static_cast<uint64_t>(_mm512_cmpeq_epi32_mask(key(s), m)) << s;
     }
     return mask & at_min;
   };
-  if (at.policy == kLfu) ok = least(count, ok);
-  return base + __builtin_ctzll(least(last, ok));
+  auto counts = [&](int64_t s) { return _mm512_loadu_si512(count + base + s); };
+  auto older = [&](int64_t s) { return _mm512_xor_si512(age(s), _mm512_set1_epi32(-1)); };
+  if (at.policy == kLfu) ok = least(counts, false, ok);
+  return base + __builtin_ctzll(least(older, true, ok));
 }
 #endif
 
 // The first `want` places of bucket b's order (remap._pick): its free slots ascending, then its
-// victims by (count, last_seen, row) under lfu, by (last_seen, row) otherwise; a slot read in
-// this step (last_seen == t) is no victim, nor under ttl one with t - last_seen <= ttl_steps.
+// victims by (count, age descending, row) under lfu, by (age descending, row) otherwise, the
+// age (t - last_seen) mod 2^32; a slot read in this step (age 0) is no victim, nor under ttl
+// one with age <= ttl_steps.
 // Writes their rows to `out` and returns how many there are (<= want). The victims are
 // gathered only when the free slots do not suffice, and only as many ordered as needed (one
 // scan for the least, usually). `victims` is scratch of S rows.
@@ -475,20 +487,21 @@ int64_t TakeSlots(const Table& tb, const StepAttrs& at, int32_t t, int64_t b, in
 #endif
   int64_t nv = 0;
   for (int64_t r = base; r < base + tb.S; ++r) {
-    if (!IsEmpty(keys + 2 * r) && last[r] != t &&
-        (at.policy != kTtl || WrapSub(t, last[r]) > at.ttl_steps)) {
+    const uint32_t age = Age(t, last[r]);
+    if (!IsEmpty(keys + 2 * r) && age != 0 &&
+        (at.policy != kTtl || age > static_cast<uint32_t>(at.ttl_steps))) {
       victims[nv++] = static_cast<int32_t>(r);
     }
   }
   const int64_t need = std::min(want - n, nv);
   if (need <= 0) return n;
   // The row makes every key distinct, so these orders are total.
-  auto lfu = [&](int32_t x, int32_t y) {
-    if (count[x] != count[y]) return count[x] < count[y];
-    return last[x] != last[y] ? last[x] < last[y] : x < y;
+  auto recent = [&](int32_t x, int32_t y) {  // the older (greater age) first
+    const uint32_t ax = Age(t, last[x]), ay = Age(t, last[y]);
+    return ax != ay ? ax > ay : x < y;
   };
-  auto recent = [&](int32_t x, int32_t y) {
-    return last[x] != last[y] ? last[x] < last[y] : x < y;
+  auto lfu = [&](int32_t x, int32_t y) {
+    return count[x] != count[y] ? count[x] < count[y] : recent(x, y);
   };
   int32_t* end = victims + nv;
   if (need == 1 && at.policy == kLfu) {

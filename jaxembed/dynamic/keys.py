@@ -6,16 +6,21 @@ jaxembed an id travels as its **key**: `uint32[..., 2]` with
 
 * `[..., 0]` the **low** 32 bits and `[..., 1]` the **high** 32 bits of the id's 64-bit
   pattern (little-endian order: `np.int64` ids `.view(np.uint32)` on a little-endian host);
-* int32 halves are read by their bits; an int32 pair array needs a batch axis (`[N, 2]`):
-  a 1-D int32 array is taken for 32-bit ids without the pair axis, and refused;
 * a signed id counts by its two's-complement pattern: int64 `-2` is the key of uint64
   `2**64 - 2`.
 
-`as_keys` takes every form and never truncates: numpy int64 / uint64 (or Python ints) on the
-host; `uint32[..., 2]` or `int32[..., 2]` pairs anywhere, traced included (int32 halves are read
-as their bit pattern); int64 / uint64 directly when `jax_enable_x64` is on. Anything else (floats,
-bools, narrower integers, 32-bit ids without the pair axis, a trailing axis other than 2) raises
-naming its dtype, its shape and the form to use.
+`as_keys` takes two unambiguous forms and never truncates: **64-bit integers** (numpy int64 /
+uint64 or Python ints on the host; jax int64 / uint64 when `jax_enable_x64` is on) and **keys**
+`uint32[..., 2]` anywhere, traced included. **int32 is refused in every shape**, eagerly and
+under `jit`: with x64 off, `jax.jit` narrows a numpy int64 argument to int32 before the body
+runs, so an int32 `[B, 2]` may be B narrowed pairs of ids as well as B keys' halves, and no
+code can tell which (the message names the narrowing and `as_keys`). Anything else (floats,
+bools, narrower integers, a uint32 array whose trailing axis is not 2) raises naming its dtype,
+its shape and the form to use.
+
+One narrowing cannot be seen: a numpy **uint64** `[B, 2]` passed to a jitted function with x64
+off arrives as `uint32[B, 2]`, which is the key form itself. Convert uint64 (and int64) ids with
+`as_keys` outside the jitted function, and pass the keys.
 
 **The reserved key.** `EMPTY_ID = 2**64 - 1` (all 64 bits set: int64 `-1`, both halves
 `0xFFFFFFFF`) marks an empty slot of a table's identity array, so no id may equal it. Concrete
@@ -80,9 +85,18 @@ STREAM_SKETCH = 2  # the first row of the count-min sketch; row j draws from str
 
 _MASK32 = 0xFFFFFFFF
 _FORMS = (
-    "pass numpy int64/uint64 ids on the host, uint32[..., 2] pairs under jax.jit ([..., 0] the "
-    "low 32 bits, [..., 1] the high 32 bits; jaxembed.dynamic.keys.as_keys converts on the "
-    "host), or int64/uint64 with jax_enable_x64 on"
+    "pass numpy int64/uint64 ids on the host, keys uint32[..., 2] under jax.jit ([..., 0] the "
+    "low 32 bits, [..., 1] the high 32 bits: keys = jaxembed.dynamic.as_keys(ids) outside the "
+    "jitted function), or int64/uint64 with jax_enable_x64 on"
+)
+_NARROWED = (
+    "int32 ids are refused: with x64 off, jax.jit narrows numpy int64 ids to int32 before "
+    "the function runs (2**40 + 7 becomes 7, and an int64 [B, 2] reads as B keys' halves), "
+    "and nothing tells narrowed ids from 32-bit ones. Convert the int64 ids outside the "
+    "jitted function, keys = jaxembed.dynamic.as_keys(ids), and pass the keys "
+    "(uint32[..., 2]); for int32 halves of keys, pass them as uint32 "
+    "(jax.lax.bitcast_convert_type(pairs, jnp.uint32)); for non-negative 32-bit ids, pass "
+    "np.asarray(ids, np.int64) on the host"
 )
 
 
@@ -233,7 +247,7 @@ def is_reserved(keys: Any) -> Any:
 
 def _type_error(what: str, dtype: Any, shape: tuple, why: str) -> TypeError:
     return TypeError(
-        f"{what} must be 64-bit integer ids, got {dtype} {what} of shape {tuple(shape)}{why}: "
+        f"{what} must be 64-bit integer ids, got {dtype} ids of shape {tuple(shape)}{why}: "
         f"{_FORMS}"
     )
 
@@ -288,8 +302,8 @@ def keys_to_host(x: Any, what: str = "ids", *, check: bool = True) -> np.ndarray
     """Concrete ids in any accepted form as numpy keys `uint32[..., 2]` (low half first).
 
     Args:
-      x: numpy int64 / uint64 ids, Python ints (in `[-2**63, 2**64)`), or uint32 / int32
-        pairs `[..., 2]`; a concrete jax array of these dtypes.
+      x: numpy int64 / uint64 ids, Python ints (in `[-2**63, 2**64)`), or keys
+        `uint32[..., 2]`; a concrete jax array of these dtypes.
       what: how messages name them.
       check: raise for an id equal to `EMPTY_ID` (True), or keep it as padding (False).
 
@@ -297,24 +311,25 @@ def keys_to_host(x: Any, what: str = "ids", *, check: bool = True) -> np.ndarray
       np.uint32 `[*ids_shape, 2]`.
 
     Raises:
-      TypeError: floats, bools, narrower integers, 32-bit ids without the pair axis.
-      ValueError: pairs whose trailing axis is not 2; an id beyond 64 bits; with `check`, an
-        id equal to `EMPTY_ID`.
+      TypeError: floats, bools, int32 in any shape (what `jax.jit` narrows int64 ids to),
+        other narrower integers, uint32 without the pair axis.
+      ValueError: uint32 keys whose trailing axis is not 2; an id beyond 64 bits; with
+        `check`, an id equal to `EMPTY_ID`.
 
     Examples:
       >>> import numpy as np
-      >>> keys_to_host(np.array([1, 2], np.int32))
+      >>> keys_to_host(np.array([[1, 2]], np.int32))
       Traceback (most recent call last):
       ...
-      TypeError: ids must be 64-bit integer ids, got int32 ids of shape (2,) (32-bit ids ...
+      TypeError: ids are int32 of shape (1, 2): int32 ids are refused: with x64 off, jax.jit ...
     """
     a = _host_ids(x, what)
     dt = a.dtype
     if dt in (np.dtype(np.int64), np.dtype(np.uint64)):
         keys = _pairs_from_64(a)
-    elif dt in (np.dtype(np.uint32), np.dtype(np.int32)):
+    elif dt == np.dtype(np.uint32):
         _check_pairs(what, dt, a.shape)
-        keys = a.view(np.uint32) if dt == np.int32 else a
+        keys = a
     else:
         raise _form_error(what, dt, a.shape)
     if check:
@@ -323,6 +338,8 @@ def keys_to_host(x: Any, what: str = "ids", *, check: bool = True) -> np.ndarray
 
 
 def _form_error(what: str, dtype: Any, shape: tuple) -> TypeError:
+    if np.dtype(dtype) == np.int32:
+        return TypeError(f"{what} are int32 of shape {tuple(shape)}: {_NARROWED}")
     if np.issubdtype(dtype, np.integer):
         why = f" ({np.dtype(dtype).itemsize * 8}-bit integers cannot hold 64-bit ids; cast "
         why += "them with np.asarray(ids, np.int64) on the host)"
@@ -336,10 +353,8 @@ def _form_error(what: str, dtype: Any, shape: tuple) -> TypeError:
 
 
 def _check_pairs(what: str, dtype: Any, shape: tuple) -> None:
-    """uint32 pairs are `[..., 2]`; int32 pairs `[..., 2]` with a batch axis, since a 1-D
-    int32 array is far more often 32-bit ids than one id's halves."""
-    rank = 1 if np.dtype(dtype) == np.uint32 else 2
-    if len(shape) >= rank and shape[-1] == 2:
+    """Keys are uint32 `[..., 2]`."""
+    if len(shape) >= 1 and shape[-1] == 2:
         return
     small = (
         "for 32-bit ids cast them with np.asarray(ids, np.int64) on the host, or pair them "
@@ -358,18 +373,18 @@ def as_keys(x: Any, what: str = "ids", *, check: bool = True) -> jax.Array:
     """`x` as jax keys `uint32[..., 2]` (low half, high half), never truncated.
 
     Host ids (numpy, Python ints) are converted and checked on the host. Jax arrays are
-    converted where they are, keeping their sharding (uint32 pairs as they are, int32 pairs by
-    their bits, int64 / uint64 under x64 split into halves); concrete ones are then checked
-    for `EMPTY_ID` on the host, traced ones cannot be (see the module's docstring for what it
-    does under `jit`).
+    converted where they are, keeping their sharding (uint32 keys as they are, int64 / uint64
+    under x64 split into halves); concrete ones are then checked for `EMPTY_ID` on the host,
+    traced ones cannot be (see the module's docstring for what it does under `jit`).
 
     Note: a numpy int64 array passed as an *argument* of a function the user jits with x64 off
-    is narrowed to int32 by `jax.jit` itself before the body runs. Convert such ids with
-    `as_keys` (or `keys_to_host`) outside the jitted function and pass the keys.
+    is narrowed to int32 by `jax.jit` itself before the body runs, so int32 is refused in every
+    shape (a numpy uint64 array is narrowed to uint32, which cannot be seen). Convert such ids
+    with `as_keys` (or `keys_to_host`) outside the jitted function and pass the keys.
 
     Args:
-      x: the ids, in any form `keys_to_host` takes, or traced uint32 / int32 pairs
-        `[..., 2]`, or traced int64 / uint64 (x64 on).
+      x: the ids, in any form `keys_to_host` takes, or traced keys `uint32[..., 2]`, or
+        traced int64 / uint64 (x64 on).
       what: how messages name them.
       check: for concrete ids, raise for an id equal to `EMPTY_ID` (True) or keep it (False).
 
@@ -381,7 +396,7 @@ def as_keys(x: Any, what: str = "ids", *, check: bool = True) -> jax.Array:
         dtype and shape are known under `jit`; only the values are not).
 
     Examples:
-      >>> import jax, jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp, numpy as np
       >>> pairs = jnp.array([[3, 0], [7, 1]], jnp.uint32)
       >>> jax.jit(as_keys)(pairs).tolist()
       [[3, 0], [7, 1]]
@@ -389,6 +404,10 @@ def as_keys(x: Any, what: str = "ids", *, check: bool = True) -> jax.Array:
       Traceback (most recent call last):
       ...
       TypeError: ids must be 64-bit integer ids, got float32 ids of shape (2,) (ids are ...
+      >>> jax.jit(as_keys)(np.array([[5, 2**40 + 7]], np.int64))  # narrowed to int32 by jit
+      Traceback (most recent call last):
+      ...
+      TypeError: ids are int32 of shape (1, 2): int32 ids are refused: with x64 off, jax.jit ...
     """
     if isinstance(x, jax.Array):  # traced or on devices: converted in place (keeps sharding)
         keys = _device_keys(x, what)
@@ -400,12 +419,12 @@ def as_keys(x: Any, what: str = "ids", *, check: bool = True) -> jax.Array:
 
 
 def _device_keys(x: jax.Array, what: str) -> jax.Array:
-    """A jax array of ids as keys, in the graph: uint32 pairs as they are, int32 pairs by
-    their bits, int64 / uint64 (x64 on) split into halves."""
+    """A jax array of ids as keys, in the graph: uint32 keys as they are, int64 / uint64
+    (x64 on) split into halves."""
     dt = np.dtype(x.dtype)
-    if dt in (np.dtype(np.uint32), np.dtype(np.int32)):
+    if dt == np.dtype(np.uint32):
         _check_pairs(what, dt, x.shape)
-        return x if dt == np.uint32 else jax.lax.bitcast_convert_type(x, jnp.uint32)
+        return x
     if dt in (np.dtype(np.int64), np.dtype(np.uint64)):
         u = x if dt == np.uint64 else jax.lax.bitcast_convert_type(x, jnp.uint64)
         lo = (u & jnp.uint64(_MASK32)).astype(jnp.uint32)

@@ -16,9 +16,11 @@ One step, given the table's state, a batch of ids and the step's index t:
    e(d) = m(d). An id with `e >= admit_after` is a **candidate**; the others are `pending`.
 4. **Assignment, bucket by bucket** (ascending). The bucket's candidates are ranked by
    (e descending, id ascending). Its available slots are its free slots (ascending), then its
-   victims in policy order; a slot whose `last_seen == t` (looked up this step) is never one:
-   * `lru`: occupied slots by (last_seen, slot); `lfu`: by (count, last_seen, slot);
-   * `ttl`: only expired slots (`t - last_seen > ttl_steps`), by (last_seen, slot).
+   victims in policy order, by their **age** `(t - last_seen) mod 2**32` (the step is a 32-bit
+   counter that may wrap: ages, not steps, are compared); a slot of age 0 (looked up this
+   step) is never one:
+   * `lru`: occupied slots by (age descending, slot); `lfu`: by (count, age descending, slot);
+   * `ttl`: only expired slots (age > `ttl_steps`), by (age descending, slot).
    Candidate r takes available slot r (`keys = id, last_seen = t, count = e`); if the slot
    held an id, that id is evicted. Candidates beyond the available slots are refused.
 5. **Halving.** With the sketch, `sketch_total += Σ m` over the ids without a row; if it
@@ -101,13 +103,14 @@ def lookup(
 def _victim_order(config, last, count, slots, t):
     """The bucket's available slots: free ones ascending, then victims in policy order."""
     free = [s for s in slots if last[s] is None]
-    held = [s for s in slots if last[s] is not None and last[s] != t]
+    age = {s: (t - last[s]) % 2**32 for s in slots if last[s] is not None}
+    held = [s for s in age if age[s] != 0]
     if config.policy == "ttl":
-        held = [s for s in held if t - last[s] > config.ttl_steps]
+        held = [s for s in held if age[s] > config.ttl_steps]
     if config.policy == "lfu":
-        held.sort(key=lambda s: (count[s], last[s], s))
+        held.sort(key=lambda s: (count[s], -age[s], s))
     else:
-        held.sort(key=lambda s: (last[s], s))
+        held.sort(key=lambda s: (-age[s], s))
     return free + held
 
 
@@ -120,13 +123,14 @@ def step(
       config: the table.
       state: its state (numpy or jax arrays; not modified).
       ids: the batch, in any form `keys.keys_to_host` takes (the reserved id allowed).
-      step_index: t, a non-negative int, non-decreasing from step to step.
+      step_index: t, an int counting up from step to step, read modulo 2**32 (an int32
+        counter that wrapped, or any int: only `t mod 2**32` is kept).
 
     Returns:
       A `ReferenceStep`.
     """
     keys = keys_to_host(ids, check=False)
-    t, cap, size = int(step_index), config.capacity, config.bucket_size
+    t, cap, size = int(step_index) % 2**32, config.capacity, config.bucket_size
     held = _ids(np.asarray(state.keys))
     row_of = {i: r for r, i in enumerate(held) if i != EMPTY_ID}
     last = [
@@ -197,7 +201,7 @@ def step(
 
     new = DynamicState(
         keys=np.array([_key(i) for i in held], np.uint32).reshape(cap, 2),
-        last_seen=np.array([-1 if v is None else v for v in last], np.int32),
+        last_seen=np.array([-1 if v is None else v for v in last], np.int64).astype(np.int32),
         count=np.array([0 if last[r] is None else c for r, c in enumerate(count)], np.int32),
         sketch=sketch.astype(np.int32),
         sketch_total=np.array([total], np.int32),

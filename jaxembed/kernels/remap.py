@@ -165,23 +165,33 @@ def check_state(config: DynamicTableConfig, state: Any) -> None:
 
 
 def check_step_index(step_index: Any) -> jax.Array:
-    """`step_index` as an int32 scalar, checked: an integer scalar, and when concrete in
-    `[0, 2**31)`.
+    """`step_index` as the int32 bits of `t mod 2**32`, checked to be an integer scalar.
+
+    The step is a 32-bit counter read modulo 2**32: an int32 counter that wrapped past
+    `2**31 - 1` (as `step + 1` does under `jit`) keeps counting, and the policy compares
+    ages `(t - last_seen) mod 2**32`, never the steps themselves (`_age`). Python ints and
+    int64 / uint32 / uint64 steps of any value are taken modulo 2**32 too.
 
     Raises:
-      TypeError: not an integer; ValueError: not a scalar, or concrete and out of range.
+      TypeError: not an integer; ValueError: not a scalar.
     """
     if isinstance(step_index, bool) or not jnp.issubdtype(jnp.result_type(step_index), jnp.integer):
         raise TypeError(f"step_index must be an integer (the training step), got {step_index!r}")
     if np.shape(step_index) != ():
         raise ValueError(f"step_index must be a scalar, got shape {np.shape(step_index)}")
-    if not isinstance(step_index, jax.core.Tracer):
-        value = int(np.asarray(step_index))
-        if not 0 <= value <= INT32_MAX:
-            raise ValueError(
-                f"step_index={value} must be in [0, {INT32_MAX}] (steps count up from 0)"
-            )
-    return jnp.asarray(step_index).astype(jnp.int32)
+    if not isinstance(step_index, jax.Array):  # a Python or numpy int of any width, on the host
+        return jnp.asarray(np.array(int(step_index) % 2**32, np.uint32).view(np.int32))
+    if step_index.dtype.itemsize > 4:  # int64 / uint64 (x64 on): the low 32 bits
+        step_index = step_index.astype(jnp.uint32)
+    if step_index.dtype.itemsize == 4:
+        return jax.lax.bitcast_convert_type(step_index, jnp.int32)
+    return step_index.astype(jnp.int32)  # narrower integers, sign-extended
+
+
+def _age(t: jax.Array, last: jax.Array) -> jax.Array:
+    """Steps since `last` (a slot's `last_seen`) at step t: `(t - last) mod 2**32`, uint32.
+    Exact while no live id goes unseen for 2**32 steps, whatever the counter's wraps."""
+    return jax.lax.bitcast_convert_type(t - last, jnp.uint32)  # int32 subtraction wraps
 
 
 def _bucket_view(config: DynamicTableConfig, state: DynamicState, bucket: jax.Array):
@@ -315,14 +325,16 @@ def _pick(config: DynamicTableConfig, held, last, count, t, rank):
     available count int32[N], occupied bool[N, S]).
     """
     occupied = ~is_reserved(held)  # a free slot holds the reserved key
-    victim = occupied & (last != t)  # a slot looked up this step is never taken
+    age = _age(t, last)  # uint32[N, S]; 0: looked up this step
+    victim = occupied & (age != 0)  # a slot looked up this step is never taken
     if config.policy == "ttl":
-        victim &= (t - last) > config.ttl_steps
+        victim &= age > jnp.uint32(config.ttl_steps)
     cls = jnp.where(occupied, jnp.where(victim, 1, 2), 0)
+    older_first = jnp.where(victim, ~age, jnp.uint32(0))  # the oldest (largest age) sorts first
     if config.policy == "lfu":
-        keys = (cls, jnp.where(victim, count, 0), jnp.where(victim, last, 0))
+        keys = (cls, jnp.where(victim, count, 0), older_first)
     else:
-        keys = (cls, jnp.where(victim, last, 0))
+        keys = (cls, older_first)
     slot = jnp.broadcast_to(jnp.arange(config.bucket_size, dtype=jnp.int32), last.shape)
     n_avail = jnp.sum(cls < 2, axis=1, dtype=jnp.int32)
     r = jnp.minimum(rank, config.bucket_size - 1)
@@ -357,7 +369,8 @@ def step(
       state: its `DynamicState`.
       ids: the batch, any shape, in a form `keys.as_keys` takes (keys `uint32[*B, 2]` under
         `jit` with x64 off). The reserved id `EMPTY_ID` is counted in `stats.reserved` only.
-      step_index: t, an int32 scalar: the training step, non-decreasing from call to call.
+      step_index: t, an integer scalar: the training step, counting up by one (or more) from
+        call to call, read modulo 2**32 (`check_step_index`: an int32 counter may wrap).
         Several calls with one t (features sharing a table) never take each other's rows.
       check: raise for concrete ids equal to `EMPTY_ID` (True), or take them as padding.
       shard: the `Shard` `state` is (None: the whole table): the step decides its buckets
@@ -370,7 +383,7 @@ def step(
 
     Raises:
       TypeError, ValueError: ids in no accepted form, a state that does not fit the config,
-        a step_index that is not an integer scalar (or, concrete, is negative).
+        a step_index that is not an integer scalar.
     """
     check_state(config, state)
     t = check_step_index(step_index)

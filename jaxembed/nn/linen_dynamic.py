@@ -31,6 +31,7 @@ from flax.linen.linear import default_embed_init
 
 from jaxembed import tape
 from jaxembed.dynamic.config import DynamicTableConfig, StepStats
+from jaxembed.dynamic.keys import as_keys
 from jaxembed.nn.common import RowInitializer, check_mesh_names, dynamic_rows_lookup
 from jaxembed.nn.linen_embed import box_layout
 from jaxembed.optim.dynamic import IMPLS, DynamicTable, init_table, remap_table, rows_for
@@ -117,6 +118,7 @@ class DynamicEmbed(nn.Module):
             )
         if self.impl not in IMPLS:
             raise ValueError(f"impl={self.impl!r} must be one of {IMPLS}")
+        ids = as_keys(ids, "jaxembed.flax.DynamicEmbed's ids", check=False)  # before any step
         mesh, spec = self.table_layout()
 
         def table_init(key, shape, dtype):

@@ -36,6 +36,7 @@ from flax.nnx.variablelib import VariableMetadata
 
 from jaxembed import tape
 from jaxembed.dynamic.config import DynamicTableConfig, StepStats
+from jaxembed.dynamic.keys import as_keys
 from jaxembed.nn.common import (
     RowInitializer,
     check_mesh_names,
@@ -167,9 +168,10 @@ class DynamicEmbed(nnx.Module):
           `[*B, features]`: each id's row, zeros for an id without one.
 
         Raises:
-          TypeError: ids in no accepted form (floats; int32 ids without the pair axis, as
-            int64 ids become under `jit` without x64).
+          TypeError: ids in no accepted form: floats; int32 in any shape, which is what
+            `jit` narrows numpy int64 ids to with x64 off (the message says so).
         """
+        ids = as_keys(ids, "jaxembed.nnx.DynamicEmbed's ids", check=False)  # before any step
         mesh, spec = self.table_layout()
         cfg = self.config
         reset = None

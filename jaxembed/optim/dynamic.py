@@ -579,7 +579,8 @@ def prepare(
       ids: the batch's raw ids, any shape, in a form `jaxembed.dynamic.as_keys` takes: keys
         `uint32[*B, 2]` under `jit` without x64 (convert int64 ids with `as_keys` outside the
         jitted step). The reserved id `EMPTY_ID` (int64 -1) is padding: it gets no row.
-      step_index: t, an int32 scalar, non-decreasing from step to step.
+      step_index: t, an integer scalar counting the steps, read modulo 2**32 (an int32
+        counter that wraps past 2**31 - 1 keeps counting: the policy compares ages).
       initializer: `(key, shape, dtype) -> array`, as `jax.nn.initializers` makes; called
         with shape `(1, H)` for each reset row.
       key: a PRNG key (`jax.random.key(0)`); row r reset at step t reads
@@ -604,9 +605,9 @@ def prepare(
       reserved).
 
     Raises:
-      TypeError: ids in no accepted form (floats, int32 ids without the pair axis: int64 ids
-        narrowed by `jit`), a `dyn_table` that is no `DynamicTable`, a key that is no PRNG
-        key, an initializer that is no function, an optimizer that is not row-sparse.
+      TypeError: ids in no accepted form (floats; int32 in any shape, as `jit` narrows
+        numpy int64 ids with x64 off), a `dyn_table` that is no `DynamicTable`, a key that
+        is no PRNG key, an initializer that is no function, an optimizer not row-sparse.
       ValueError: a table or state that does not fit `config`, an initializer giving another
         shape, an optimizer state of another optimizer or table, a split that does not
         divide, a traced table in an Auto mesh without `weight_spec`.

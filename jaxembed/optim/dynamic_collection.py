@@ -5,7 +5,8 @@ placed `"rows"` (block rows over the stack's axes, the remap state split with th
 `"replicated"` in a stack of its own (the stack's row r is the remap's row r), or `"table"`:
 whole on one device, in the stack of the other table-wise tables (its rows from `rows_at`,
 `table_rows_at`), its remap state whole on every device. Its features take raw 64-bit
-ids (`jaxembed.dynamic.as_keys` forms: keys `uint32[B, L, 2]` or `[B, 2]` under `jit`, with
+ids (`jaxembed.dynamic.as_keys` forms: keys `uint32[B, L, 2]` or `[B, 2]` under `jit`, never
+int32, which is what `jit` narrows int64 ids to; with
 `(keys, weights)` for weighted features, or bags of varying length as a
 `jaxembed.dynamic.RaggedKeys`). `prepare` remaps them into ordinary row ids, resets the rows it
 gives out (table and optimizer state), and returns a batch the static collection path reads
@@ -41,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxembed.collection.layout import CollectionLayout
 from jaxembed.dynamic.config import DynamicState, StepStats
+from jaxembed.dynamic.keys import as_keys
 from jaxembed.dynamic.ragged import RaggedKeys, in_bag_keys, to_ragged
 from jaxembed.kernels import remap
 from jaxembed.kernels.arrays import resolve_mesh
@@ -114,16 +116,21 @@ def init_states(layout: CollectionLayout, *, mesh: Any = None) -> dict[str, Dyna
     return out
 
 
-def _split(feature: str, value: Any) -> tuple[Any, Callable[[jax.Array], Any], Any]:
-    """(the keys the remap sees, the feature's new input from its rows (int32, -1: no row),
-    the remap's slots that hold no id: a ragged block's slots past its total, which the remap
-    sees as `EMPTY_ID` and `StepStats.reserved` must not count)."""
+def _split(
+    feature: str, table: str, value: Any, check_ids: bool
+) -> tuple[jax.Array, Callable[[jax.Array], Any], Any]:
+    """(the keys the remap sees, uint32 `[..., 2]`, checked and named by feature and table;
+    the feature's new input from its rows (int32, -1: no row); the remap's slots that hold no
+    id: a ragged block's slots past its total, which the remap sees as `EMPTY_ID` and
+    `StepStats.reserved` must not count)."""
+    what = f"feature {feature!r} (dynamic table {table!r}) ids"
     if isinstance(value, RaggedKeys):
         past = jnp.sum(segments_from_lengths(value.lengths, value.capacity) < 0, dtype=jnp.int32)
-        return in_bag_keys(value), lambda rows: to_ragged(value, rows), past
+        keys = as_keys(in_bag_keys(value), what, check=check_ids)
+        return keys, lambda rows: to_ragged(value, rows), past
     if isinstance(value, tuple) and len(value) == 2:
         ids, weights = value
-        return ids, lambda rows: (rows, weights), 0
+        return as_keys(ids, what, check=check_ids), lambda rows: (rows, weights), 0
     if isinstance(value, Ragged):
         raise TypeError(
             f"feature {feature!r} reads a dynamic table, whose ids are raw 64-bit ids, but its "
@@ -137,7 +144,7 @@ def _split(feature: str, value: Any) -> tuple[Any, Callable[[jax.Array], Any], A
             f"uint32[B, L, 2] or [B, 2], int64 with x64), (ids, weights) or a "
             f"jaxembed.dynamic.RaggedKeys, got {type(value).__name__}"
         )
-    return value, lambda rows: rows, 0
+    return as_keys(value, what, check=check_ids), lambda rows: rows, 0
 
 
 def remap_collection(
@@ -170,12 +177,12 @@ def remap_collection(
         stack, rows_at = layout.stack_of(t.name), table_rows_at(layout, t.name)
         dyn, total, reset = DynamicTable(stacks[stack.index], remaps[t.name]), None, []
         for f in (f for f in layout.features if f.table == t.name):
-            ids, finish, not_ids = _split(f.name, batch[f.name])
+            ids, finish, not_ids = _split(f.name, t.name, batch[f.name], check_ids)
             rows, dyn, rows_reset, step = remap_table(
                 t.dynamic, dyn, ids, step_index,
                 initializer=t.initializer or DEFAULT_INITIALIZER,
                 key=jax.random.fold_in(key, index), impl=impl, mesh=mesh,
-                weight_spec=stack.spec, check_ids=check_ids, rows_at=rows_at,
+                weight_spec=stack.spec, check_ids=False, rows_at=rows_at,
             )  # fmt: skip
             batch[f.name] = finish(jnp.where(rows == t.dynamic.capacity, -1, rows))
             step = step._replace(reserved=step.reserved - not_ids)
@@ -212,7 +219,7 @@ def prepare(
         `optimizer=None`).
       remaps: each dynamic table's `DynamicState`, by table name (`init_states`).
       batch: every feature's input; a dynamic table's features hold raw ids (see the module).
-      step_index: t, an int32 scalar, non-decreasing from step to step.
+      step_index: t, an integer scalar counting the steps, read modulo 2**32 (as `prepare`).
       key: the PRNG key the reset rows draw from (table i: `fold_in(key, i)`).
       optimizer: the `RowSparseOptimizer` of `states`, or None.
       impl, check_ids: as `jaxembed.optim.dynamic.prepare`'s.
@@ -277,9 +284,9 @@ def read_rows(
     batch = dict(batch)
     for _, t in dynamic_tables(layout):
         for f in (f for f in layout.features if f.table == t.name):
-            ids, finish, _ = _split(f.name, batch[f.name])
+            ids, finish, _ = _split(f.name, t.name, batch[f.name], check_ids)
             rows = rows_for(t.dynamic, remaps[t.name], ids, impl=impl, mesh=mesh,
                             weight_spec=P(_state_axes(layout, t.name)),
-                            check_ids=check_ids)  # fmt: skip
+                            check_ids=False)  # fmt: skip
             batch[f.name] = finish(jnp.where(rows == t.dynamic.capacity, -1, rows))
     return batch
