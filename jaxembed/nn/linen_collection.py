@@ -47,6 +47,7 @@ from jaxembed.nn.common import current_mesh, replicated_on
 from jaxembed.nn.stacks import (
     auto_plan,
     build_stack,
+    check_trainable,
     concat_features,
     export_states,
     import_states,
@@ -525,6 +526,11 @@ class EmbeddingBagCollection(nn.Module):
         Returns:
           The variables (params), with this collection's stacks replaced.
 
+        Raises:
+          ValueError: as `jaxembed.nn.stacks.quantize_stacks`: a dim the precision cannot pack
+            (the tables named) and, called eagerly, a row holding NaN or ±inf (named by its
+            table, its row in that table and the value; under `jit` it reads NaN).
+
         Examples:
           >>> import jax, jax.numpy as jnp
           >>> import jaxembed, jaxembed.flax
@@ -556,9 +562,18 @@ class EmbeddingBagCollection(nn.Module):
 
         Returns:
           `{stack index: RowSparseState}`.
+
+        Raises:
+          TypeError: variables whose tables are quantized (`quantized`'s), named: they are
+            inference-only.
         """
         variables, keys = self._own(variables, path, "init_optimizer")
         stacks = self._stacks_of(variables, keys)
+        check_trainable(
+            self.layout, stacks,
+            "Make the optimizer state from the float variables, train them, then quantize "
+            "them for serving: served = coll.quantized(precision, variables)",
+        )  # fmt: skip
         mesh = current_mesh(self.mesh)
         return {
             s.index: optimizer.init(stacks[s.index], mesh=mesh, weight_spec=s.spec)

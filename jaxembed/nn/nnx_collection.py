@@ -49,6 +49,7 @@ from jaxembed.nn.nnx_embed import QuantizedStack, Table
 from jaxembed.nn.stacks import (
     auto_plan,
     build_stack,
+    check_trainable,
     concat_features,
     export_states,
     import_states,
@@ -256,7 +257,10 @@ class EmbeddingBagCollection(nnx.Module):
           A new `EmbeddingBagCollection`.
 
         Raises:
-          ValueError: as `jaxembed.nn.stacks.quantize_stacks`.
+          ValueError: as `jaxembed.nn.stacks.quantize_stacks`: a dim the precision cannot pack
+            (the tables named) and, called eagerly, a row holding NaN or ±inf (named by its
+            table, its row in that table and the value). Under `nnx.jit` such a row is not
+            refused: it reads NaN, so quantize eagerly.
 
         Examples:
           >>> import jax.numpy as jnp
@@ -326,7 +330,17 @@ class EmbeddingBagCollection(nnx.Module):
 
         Returns:
           `{stack index: RowSparseState}`.
+
+        Raises:
+          TypeError: a serving copy's quantized tables (`quantized`), named: they are
+            inference-only (`jaxembed.nnx.SparseOptimizer(model, ...)` calls this for every
+            collection in the model).
         """
+        check_trainable(
+            self.layout, self._stacks(),
+            "Build the SparseOptimizer (or init_optimizer) from the float collection, train "
+            "it, then quantize it for serving: served = coll.quantized(precision)",
+        )  # fmt: skip
         out = {}
         for s in self.layout.stacks:
             table = self.stacks[s.name][...]

@@ -13,6 +13,7 @@ Shared by `jaxembed.nn.nnx_collection` and `jaxembed.nn.linen_collection`:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,12 +29,13 @@ from jaxembed.collection.layout import CollectionLayout, Stack
 from jaxembed.kernels.arrays import is_explicit
 from jaxembed.kernels.tables import is_quantized
 from jaxembed.plan.collection import plan_collection
-from jaxembed.quant import dequantize, quantize
-from jaxembed.quant.format import table_precisions
+from jaxembed.quant import RowError, dequantize, quantize
+from jaxembed.quant.format import table_precisions, values_per_byte
 
 __all__ = [
     "auto_plan",
     "build_stack",
+    "check_trainable",
     "concat_features",
     "export_states",
     "import_states",
@@ -162,7 +164,9 @@ def quantize_stacks(
     """The stacks quantized row-wise (`jaxembed.quantize`) for serving, each in its layout.
 
     Row-wise quantization reads each row alone, so a stack quantized whole is its tables
-    quantized one by one and stacked.
+    quantized one by one and stacked. Every stack's dim is checked before any is quantized;
+    called eagerly, a row holding NaN or ±inf is refused, named by its table and its row in
+    that table (under `jit` it reads NaN, as `jaxembed.quantize`'s).
 
     Args:
       layout: the collection's layout.
@@ -177,21 +181,87 @@ def quantize_stacks(
 
     Raises:
       ValueError: an unknown precision or table, tables of one stack given different
-        precisions, a dim the precision cannot pack, a layout the packed bytes do not divide.
+        precisions, a dim the precision cannot pack (over the stack's column shards), the
+        tables named; a row holding NaN or ±inf, or one fp16 scale and bias cannot hold,
+        named by table, row and value.
     """
     precisions = _stack_precisions(layout, precision)
+    for s in layout.stacks:
+        if precisions[s.index] is not None and not is_quantized(stacks[s.index]):
+            _check_packs(layout, s, precisions[s.index])
     out = {}
     for s in layout.stacks:
         array = stacks[s.index]
         if precisions[s.index] is None or is_quantized(array):
             out[s.index] = array
             continue
-        q = quantize(array, precisions[s.index], **options)
+        try:
+            q = quantize(array, precisions[s.index], **options)
+        except RowError as e:
+            raise ValueError(f"quantized: {_row_name(layout, s, e.row)} {e.detail}") from None
         sharding = getattr(array, "sharding", None)
         if isinstance(sharding, NamedSharding) and not isinstance(array, jax.core.Tracer):
             q = jax.device_put(q, q.shardings(sharding.mesh, s.spec))
         out[s.index] = q
     return out
+
+
+def _check_packs(layout: CollectionLayout, stack: Stack, precision: str) -> None:
+    """Raises, naming the stack's tables, unless `precision` packs each of its column shards'
+    values into whole bytes (without a column split: the dim)."""
+    sizes = dict(layout.mesh_axes)
+    shards = math.prod(sizes[a] for a in stack.hidden_axes)
+    n = values_per_byte(precision)
+    if stack.dim % (n * shards) == 0:
+        return
+    tables, step = list(stack.tables), n * shards
+    them = "them" if len(tables) > 1 else "it"
+    per_shard = stack.dim // shards
+    split = (
+        f", split over {shards} column shards of mesh axes {stack.hidden_axes}: {per_shard} "
+        f"value{'s' if per_shard > 1 else ''} a shard"
+        if shards > 1
+        else ""
+    )
+    want = "an even dim" if step == 2 else f"a dim that is a multiple of {step}"
+    example = tables[0]
+    raise ValueError(
+        f"quantized: {precision} packs {n} values a byte, so it cannot pack the rows of "
+        f"{'tables' if len(tables) > 1 else 'table'} {', '.join(map(repr, tables))} (dim "
+        f"{stack.dim}{split}): give {them} {want} (TableConfig({example!r}, ..., "
+        f"dim={-(-stack.dim // step) * step})), quantize {them} to 'int8' or 'fp8', which pack "
+        f"any dim ({{{example!r}: 'int8'}}), or keep {them} float ({{{example!r}: None}})"
+    )
+
+
+def _row_name(layout: CollectionLayout, stack: Stack, row: int) -> str:
+    """A stack row as its table's row: "row 27 of table 'b' (row 67 of stack ...)"."""
+    for name in stack.tables:
+        p = layout.placement(name)
+        ids = np.flatnonzero(p.stack_ids(np.arange(p.vocab_size), stack.local_rows) == row)
+        if ids.size:
+            return f"row {int(ids[0])} of table {name!r} (row {row} of stack {stack.name!r})"
+    return f"row {row} of stack {stack.name!r} (a padding row, of no table)"
+
+
+def check_trainable(layout: CollectionLayout, stacks: Mapping[int, Any], fix: str) -> None:
+    """Raises, naming the tables, if any stack is quantized (a serving copy's): quantized
+    tables are inference-only, so they take no optimizer state or update.
+
+    Args:
+      layout: the collection's layout.
+      stacks: each stack's array, by stack index.
+      fix: the call that trains the float collection instead (the message's end).
+
+    Raises:
+      TypeError: a quantized stack; its tables named.
+    """
+    quantized = [t for s in layout.stacks if is_quantized(stacks[s.index]) for t in s.tables]
+    if quantized:
+        raise TypeError(
+            f"tables {quantized} of this collection are quantized (a serving copy from "
+            f"quantized(...)): quantized tables are inference-only and take no optimizer. {fix}"
+        )
 
 
 def concat_features(layout: CollectionLayout, outputs: Mapping[str, jax.Array]) -> jax.Array:

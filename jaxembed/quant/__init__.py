@@ -7,7 +7,8 @@ serving, and work that divides by the devices").
 * `jaxembed.quant.format`: `QuantizedTable` (a pytree that shards and checkpoints like a float
   table), the precisions and what dims they pack, FBGEMM's fused byte rows;
 * `jaxembed.quant.rowwise`: `quantize` (min/max or the greedy range search) and `dequantize`,
-  FBGEMM's formulas in `jnp`, and where XLA's float32 is not FBGEMM's.
+  FBGEMM's formulas in `jnp`, and where XLA's float32 is not FBGEMM's; `RowError`, the
+  ValueError for a row `quantize` cannot scale (NaN, ±inf, past fp16).
 
 The lookups on a quantized shard (gather, pooled sums) are `jaxembed.kernels.quant`.
 """
@@ -22,6 +23,7 @@ from jaxembed.quant.format import from_fbgemm_rows as from_fbgemm_rows
 from jaxembed.quant.format import packed_bytes as packed_bytes
 from jaxembed.quant.format import to_fbgemm_rows as to_fbgemm_rows
 from jaxembed.quant.rowwise import SEARCHES as SEARCHES
+from jaxembed.quant.rowwise import RowError as RowError
 from jaxembed.quant.rowwise import decode as decode
 from jaxembed.quant.rowwise import dequantize as dequantize
 from jaxembed.quant.rowwise import quantize as quantize
@@ -32,6 +34,7 @@ __all__ = [
     "PRECISIONS",
     "SEARCHES",
     "QuantizedTable",
+    "RowError",
     "check_dim",
     "decode",
     "dequantize",

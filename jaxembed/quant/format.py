@@ -377,7 +377,8 @@ def to_fbgemm_rows(
     scale and bias `FloatToFused8BitRowwiseQuantized`, as its CPU op writes them: the CUDA
     op pads the data to a multiple of 4 bytes first) and of TBE's `reverse_qparam`. fp8:
     `[data]`. Each row is zero-padded to a multiple of `row_alignment` bytes (TBE: 16 on
-    GPU, 1 on CPU).
+    GPU, 1 on CPU). The rows keep the table's row layout; a column split of the integer
+    formats is undone (a row is one run of bytes).
 
     Examples:
       >>> import jax.numpy as jnp
@@ -385,10 +386,17 @@ def to_fbgemm_rows(
       >>> to_fbgemm_rows(quantize(jnp.array([[0.0, 1.0, 2.0, 3.0]]), "int4")).tolist()
       [[102, 50, 0, 0, 80, 250]]
     """
-    parts = [table.data]
+    data = table.data
+    typed = getattr(jax.typeof(data), "sharding", None)
+    spec = (*getattr(typed, "spec", ()), None, None)
+    if spec[1] is not None and table.scale is not None:
+        # Explicit axes split the columns: a fused row is whole, beside its scale and bias.
+        mesh = data.sharding.mesh if isinstance(data, jax.Array) else typed.mesh
+        data = jax.sharding.reshard(data, NamedSharding(mesh, P(spec[0], None)))
+    parts = [data]
     if table.scale is not None:
         params = [_param_bytes(table.scale), _param_bytes(table.bias)]
-        parts = [table.data, *params] if scale_bias_last else [*params, table.data]
+        parts = [data, *params] if scale_bias_last else [*params, data]
     rows = jnp.concatenate(parts, axis=1)
     pad = -rows.shape[1] % int(row_alignment)
     return jnp.pad(rows, ((0, 0), (0, pad))) if pad else rows

@@ -49,13 +49,21 @@ Where float32 arithmetic under XLA is not FBGEMM's, this module works around it:
 
 FBGEMM's fp16 scale and bias overflow for values past 65504 (a row's min) or ranges past
 65504 · (2^bits - 1); `quantize` raises for such rows when the table is concrete (under `jit`
-they read NaN, as FBGEMM's would). A row that stalls the greedy search (a step below its
-values' float spacing, which loops forever in the reference) stops after `greedy_bins` steps.
+they read NaN, as FBGEMM's would). A row holding NaN or ±inf has no scale and bias: called
+eagerly, `quantize` raises `RowError` (a ValueError) naming its row, column and value; under
+`jit` the row gets NaN scale and bias, so it reads NaN in every column whatever the table's
+layout (a min or max over column shards would drop a NaN). fp8 takes them: it saturates, as
+FBGEMM's `fminf`. The check reduces the table to a flag and one row's values, so it runs on
+any layout, Explicit or Auto, and brings only scalars to the host. A row that stalls the greedy
+search (a step below its values' float spacing, which loops forever in the reference) stops
+after `greedy_bins` steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -73,10 +81,12 @@ from jaxembed.quant.format import (
     check_scale_dtype,
     fp8_max,
     pack,
+    packed_bytes,
     unpack,
+    values_per_byte,
 )
 
-__all__ = ["SEARCHES", "decode", "dequantize", "quantize"]
+__all__ = ["SEARCHES", "RowError", "decode", "dequantize", "quantize"]
 
 SEARCHES = ("minmax", "greedy")
 
@@ -210,19 +220,45 @@ def _fp8_decode(codes: jax.Array, ebits: int, ebias: int) -> jax.Array:
 # --- quantize / dequantize ---------------------------------------------------------------------
 
 
+class RowError(ValueError):
+    """`quantize`'s error for a row it cannot give a finite scale and bias: one holding NaN or
+    ±inf, or values past what fp16 scale and bias hold.
+
+    Attributes:
+      row: the row's index in the table given (the collections name the table and its own
+        row from it).
+      detail: the message after "row r of the table": the value and the fix.
+    """
+
+    def __init__(self, row: int, detail: str) -> None:
+        super().__init__(f"row {row} of the table {detail}")
+        self.row = row
+        self.detail = detail
+
+
+def _nan_rows(x: jax.Array, q: QuantizedTable) -> QuantizedTable:
+    """`q` with NaN scale and bias on the rows of `x` holding NaN or ±inf, so that they read NaN
+    in every layout: a min or max over column shards drops a NaN (an all-reduce's `min` is
+    not `jnp.min`'s), which would leave the row a finite scale and codes of nothing."""
+    finite = jnp.all(jnp.isfinite(x), axis=1)  # [V]
+    nan = jnp.asarray(jnp.nan, q.scale.dtype)
+    scale, bias = jnp.where(finite, q.scale, nan), jnp.where(finite, q.bias, nan)
+    return dataclasses.replace(q, scale=scale, bias=bias)
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7))
 def _quantize(x, precision, search, scale_dtype, ebits, ebias, n_bins, ratio):
     x = x.astype(jnp.float32)  # f32[V, H], exact from f16 / bf16
     if precision == "fp8":
         return QuantizedTable(_fp8_encode(x, ebits, ebias), None, None, "fp8", ebits, ebias)
     if precision == "int8":
-        return QuantizedTable(*_int8(x, scale_dtype), "int8")
+        return _nan_rows(x, QuantizedTable(*_int8(x, scale_dtype), "int8"))
     bits = PRECISIONS[precision]
     if search == "greedy":
         lo, hi = _greedy_range(x, bits, n_bins, ratio)
     else:
         lo, hi = jnp.min(x, axis=1), jnp.max(x, axis=1)
-    return QuantizedTable(*_nbit(x, lo, hi, bits), precision)
+    return _nan_rows(x, QuantizedTable(*_nbit(x, lo, hi, bits), precision))
 
 
 def quantize(
@@ -261,8 +297,11 @@ def quantize(
       TypeError: a table that is not floating point.
       ValueError: an unknown precision or search, a table that is not 2-D, a dim the
         precision cannot pack, a scale dtype, fp8 format or search option the precision does
-        not take, and (concrete tables) a row holding inf or NaN, or whose scale or bias
-        fp16 cannot hold.
+        not take, a table whose columns are split (Explicit mesh axes) into shards the packed
+        bytes do not divide; and, called eagerly, a `RowError` (a ValueError) for the first
+        int8 / int4 / int2 row holding NaN or ±inf (its column and value named), or whose
+        scale or bias fp16 cannot hold. Under `jit` the values are not known: such rows get
+        NaN scale and bias (they read NaN), and fp8 saturates NaN and ±inf in both cases.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -301,6 +340,7 @@ def quantize(
             f"(-1, {shape[-1] if shape else 1}) if each row is one embedding"
         )
     check_dim(shape[1], precision)
+    _check_column_split(table, shape, precision)
     dtype16 = jnp.float16
     if precision in ("int8", "int4", "int2"):
         dtype16 = check_scale_dtype(scale_dtype, precision)
@@ -316,29 +356,96 @@ def quantize(
     return out
 
 
-def _check_params(table: Any, q: QuantizedTable) -> None:
-    """Raises for the first row whose scale or bias is not finite: a row holding inf or NaN,
-    or values past what fp16 scale and bias hold."""
-    if isinstance(q.scale, jax.Array) and not q.scale.is_fully_addressable:
+def _check_column_split(table: Any, shape: tuple[int, int], precision: str) -> None:
+    """Raises where Explicit mesh axes split the columns into shards whose values do not pack
+    into whole bytes of their own (packing reshapes each shard's columns)."""
+    if not isinstance(table, jax.Array | jax.core.Tracer) or values_per_byte(precision) == 1:
         return
-    ok = np.isfinite(np.asarray(q.scale)) & np.isfinite(np.asarray(q.bias))
-    if ok.all():
+    sharding = getattr(jax.typeof(table), "sharding", None)
+    spec = (*getattr(sharding, "spec", ()), None, None)
+    if spec[1] is None:
         return
-    row = int(np.argmin(ok))
-    values = np.asarray(table[row], np.float32)
-    if not np.isfinite(values).all():
-        bad = values[~np.isfinite(values)][0]
+    names = (spec[1],) if isinstance(spec[1], str) else tuple(spec[1])
+    n = math.prod(sharding.mesh.shape[a] for a in names)
+    nbytes = packed_bytes(shape[1], precision)
+    if nbytes % n:
         raise ValueError(
-            f"row {row} of the table holds {bad} (column {int(np.argmin(np.isfinite(values)))}): "
-            f"{q.precision} rows need finite values for their scale and bias; replace them "
-            "(jnp.nan_to_num), or use 'fp8', which saturates them as FBGEMM's does"
+            f"an {precision} table of shape {shape} packs {nbytes} bytes a row, which the {n} "
+            f"column shards of mesh axes {names} (mesh {dict(sharding.mesh.shape)}) cannot "
+            f"split evenly: reshard its columns over fewer devices first (jax.sharding.reshard("
+            f"table, NamedSharding(mesh, P({spec[0]!r}, None)))), use a dim that is a multiple "
+            f"of {n * values_per_byte(precision)}, or 'int8' or 'fp8', which pack any split"
         )
-    raise ValueError(
-        f"row {row} of the table (min {values.min()}, max {values.max()}) gets an "
-        f"{q.precision} scale {float(q.scale[row])} and bias {float(q.bias[row])}: float16 "
-        "scale and bias hold rows whose min is within +-65504 and whose range over "
-        "2^bits - 1 is too (FBGEMM's format). Scale the table down first, or use "
-        "scale_dtype=jnp.float32 with 'int8', or 'fp8' (which saturates)"
+
+
+def _iota(like: jax.Array, dim: int) -> jax.Array:
+    """int32 indices along `dim`, shaped and laid out as `like` (Explicit meshes included)."""
+    sharding = jax.typeof(like).sharding
+    return jax.lax.broadcasted_iota(jnp.int32, like.shape, dim, out_sharding=sharding)
+
+
+@jax.jit
+def _first_refused_row(x: jax.Array, scale: jax.Array, bias: jax.Array):
+    """Where the first row without a finite scale or bias is, and why, as scalars read by
+    reductions and masks alone (no indexing of a sharded axis, so any layout, Explicit or
+    Auto, works, and only scalars reach the host).
+
+    Returns:
+      `(found, row, holds_nonfinite, column, value, row_min, row_max, scale, bias)`: the
+      row's first column holding NaN or ±inf and its value (when it holds one).
+    """
+    x = x.astype(jnp.float32)  # x: f32[V, H]   scale, bias: [V]
+    nonfinite = ~jnp.isfinite(x)
+    off = jnp.any(nonfinite, axis=1) | ~(jnp.isfinite(scale) & jnp.isfinite(bias))
+    row = jnp.argmax(off)
+    in_row = _iota(x, 0) == row  # [V, H]
+    bad_columns = jnp.any(nonfinite & in_row, axis=0)  # [H]
+    column = jnp.argmax(bad_columns)
+    at = in_row & (_iota(x, 1) == column)
+
+    def pick(a, mask):  # the one entry of `a` where mask holds
+        return jnp.sum(jnp.where(mask, a.astype(jnp.float32), 0.0))
+
+    at_row = _iota(scale, 0) == row
+    return (
+        jnp.any(off), row, jnp.any(bad_columns), column, pick(x, at),
+        jnp.min(jnp.where(in_row, x, jnp.inf)), jnp.max(jnp.where(in_row, x, -jnp.inf)),
+        pick(scale, at_row), pick(bias, at_row),
+    )  # fmt: skip
+
+
+def _check_params(table: Any, q: QuantizedTable) -> None:
+    """Raises `RowError` for the first row whose scale or bias is not finite: a row holding NaN
+    or ±inf, or values past what its scale and bias dtype holds."""
+    found, row, nonfinite, column, value, lo, hi, scale, bias = jax.device_get(
+        _first_refused_row(table, q.scale, q.bias)
+    )
+    if not found:
+        return
+    row, column = int(row), int(column)
+    if nonfinite:
+        raise RowError(
+            row,
+            f"holds {float(value)} (column {column}): {q.precision} rows need finite values for "
+            "their scale and bias; replace them (jnp.nan_to_num), or use 'fp8', which saturates "
+            "them as FBGEMM's does",
+        )
+    dtype = np.dtype(q.scale.dtype)
+    if dtype == np.float16:
+        fix = (
+            "float16 scale and bias hold rows whose min is within +-65504 and whose range over "
+            "2^bits - 1 is too (FBGEMM's format). Scale the table down first, or use "
+            "scale_dtype=jnp.float32 with 'int8', or 'fp8' (which saturates)"
+        )
+    else:
+        fix = (
+            "its range overflows float32. Scale the table down first, or use 'fp8' (which "
+            "saturates)"
+        )
+    raise RowError(
+        row,
+        f"(min {np.float32(lo)}, max {np.float32(hi)}) gets an {q.precision} scale "
+        f"{np.float32(scale)} and bias {np.float32(bias)}: {fix}",
     )
 
 
