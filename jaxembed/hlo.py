@@ -725,8 +725,9 @@ def _copies(text: str) -> list[tuple[str, str, str | None]]:
             continue
         operands = re.findall(r"%([\w.\-]+)", i.operands)
         called = _hlo_text.called(i.attrs, "calls")
-        lines[i.name] = (i.opcode, _elements(i.shape_text)[0].split("{")[0],
-                         called[0] if called else None, operands, i.attrs)  # fmt: skip
+        first = (_elements(i.shape_text) or [""])[0]  # `()`: an empty tuple holds no array
+        lines[i.name] = (i.opcode, first.split("{")[0], called[0] if called else None,
+                         operands, i.attrs)  # fmt: skip
     found = []
     for name, (op, array, called, _, _) in lines.items():
         if op in ("copy", "copy-start") or (op == "fusion" and roots.get(called) == "copy"):

@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jaxembed
 from jaxembed import hlo
 
 MESH_2X4 = AbstractMesh((2, 4), ("data", "model"))
@@ -751,3 +752,34 @@ def test_summarize_a_compiled_program(mesh_2x4):
     assert len(rows) == len(kinds) + 2
     assert [row.split()[0] for row in rows[1:-1]] == kinds
     assert rows[-1].split()[-1] == f"{hlo.total_wire_bytes(text):,.0f}"
+
+
+def test_table_copies_reads_a_module_with_an_empty_tuple_and_a_while_loop():
+    """A while loop whose state is updated in place by a native kernel holds no copy; one
+    whose branches of a cond update it does. The module prints `()` results (an empty tuple),
+    which the reader must pass over."""
+    from jaxembed.kernels import native
+
+    if not native.available():
+        pytest.skip("native kernels unavailable")
+    opt = jaxembed.optim.rowwise_adagrad(0.1)
+    table, acc = jnp.zeros((64, 4)), jnp.zeros((64,))
+    local, valid, grads = jnp.arange(8, dtype=jnp.int32), jnp.ones((8,), bool), jnp.ones((8, 4))
+
+    def apply(t, a, loc):
+        t, (a,) = native.apply_rows(opt.formula, t, (a,), jnp.int32(0), loc, valid, grads,
+                                    hidden_size=4)  # fmt: skip
+        return t, a
+
+    def in_while(t, a, n):
+        body = lambda c: (c[0] + 1, *apply(c[1], c[2], local + c[0]))
+        return jax.lax.while_loop(lambda c: c[0] < n, body, (0, t, a))[1:]
+
+    def in_cond(t, a, n):
+        return jax.lax.cond(n > 0, lambda: apply(t, a, local), lambda: apply(t, a, local * 2))
+
+    named = {"table": table, "acc": acc}
+    compiled = jax.jit(in_while, donate_argnums=(0, 1)).lower(table, acc, 2).compile()
+    assert hlo.table_copies(compiled, named) == []
+    compiled = jax.jit(in_cond, donate_argnums=(0, 1)).lower(table, acc, 2).compile()
+    assert {c.names for c in hlo.table_copies(compiled, named)} == {("table",), ("acc",)}
