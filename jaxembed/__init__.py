@@ -15,11 +15,20 @@ against `pyproject.toml`'s contracts):
 * tools — `jaxembed.cli`, `demo`, `launch`, `calibrate`, `hlo`.
 
 `import jaxembed.rules` never imports jax; the jax-facing names below are loaded on first use.
+
+Importing jaxembed before JAX's backend starts tunes glibc's malloc for XLA:CPU's step buffers
+(`jaxembed.host.tune_malloc`: the blocks a step allocates are reused instead of faulted in
+anew each step; 2.5x on an 8-device NNX training step here). Set `JAXEMBED_MALLOC=default`
+to keep glibc's defaults; imported after the backend started, it changes nothing.
 """
 
 import importlib
 
+from jaxembed import host as _host
+
 __version__ = "0.1.0"
+
+_host.tune_malloc(warn=False)  # the default is the fast path (see the docstring)
 
 _LAZY = {
     "check_ids": "jaxembed.kernels.lookup",

@@ -23,20 +23,29 @@ glibc_only = pytest.mark.skipif(not host._glibc(), reason="the settings are glib
 _PROGRAM = textwrap.dedent("""
     import os, resource, sys, warnings
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    import jax, jax.numpy as jnp
-    from jaxembed import host
     mode = sys.argv[1]
+    if mode == "import":  # the default: importing jaxembed before any computation tunes
+        import jaxembed
+    import jax, jax.numpy as jnp
     if mode == "early":
+        from jaxembed import host
         assert host.tune_malloc() and host.malloc_settings()["tuned_in_process"]
     x = jnp.ones((5 << 20,), jnp.float32)
     f = jax.jit(lambda x: jnp.cumsum(x.reshape(1024, -1).T * 2.0, axis=1)[:, ::512])
     f = f.lower(x).compile()
     assert f.memory_analysis().temp_size_in_bytes > 32 << 20  # over glibc's mmap threshold
+    if mode in ("late", "default"):
+        from jaxembed import host  # imported after the backend started: it changes nothing
+        assert not host.malloc_settings()["tuned_in_process"]
     if mode == "late":
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             assert host.tune_malloc() is False
         assert "already started" in str(caught[0].message)
+    if mode == "import":
+        from jaxembed import host
+        assert host.malloc_settings()["tuned_in_process"] == (
+            os.environ.get(host.ENV_MALLOC) != "default")
     faults = []
     for _ in range(30):
         start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -63,6 +72,9 @@ def test_tuned_malloc_stops_the_per_step_page_faults():
     assert _faults("early", plain) < default / 2  # about 1/4 measured
     assert _faults("env", host.host_env(plain)) < default / 2
     assert _faults("late", plain) > default * 0.8  # too late: the arenas are taken
+    assert _faults("import", plain) < default / 2  # importing jaxembed first tunes it
+    declined = _faults("import", {**plain, host.ENV_MALLOC: "default"})
+    assert declined > default * 0.8  # JAXEMBED_MALLOC=default keeps glibc's defaults
 
 
 def test_host_env_adds_the_tunables_and_keeps_what_is_set():
@@ -80,6 +92,7 @@ def test_jaxembed_malloc_default_declines_and_a_bad_value_is_named(monkeypatch):
     env = {"JAXEMBED_MALLOC": "default", "GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}
     assert host.host_env(env) == env
     monkeypatch.setenv("JAXEMBED_MALLOC", "default")
+    monkeypatch.setattr(host, "_tuned", False)  # as in a process not tuned at import
     assert host.tune_malloc() is False
     with pytest.raises(ValueError, match=r"JAXEMBED_MALLOC='fast' must be 'tuned' or 'default'"):
         host.host_env({"JAXEMBED_MALLOC": "fast"})
