@@ -388,8 +388,9 @@ def test_placements_auto_plans_when_the_collection_is_built():
 
 def test_row_sharding_auto_is_the_planners_choice():
     """`row_sharding="auto"` on a table placed `"rows"` by its config: the planner gives it
-    mod rows for ids whose hot rows sit on one block shard, block rows for uniform ids and
-    without a sample; unplanned it is block rows; a fixed row sharding is kept. The module
+    mod rows for ids whose hot rows sit on one block shard, block rows for uniform ids, and
+    mod rows without a sample (the robust choice, said in its line); unplanned it is block
+    rows; a fixed row sharding is kept. The module
     built from the plan looks up and updates as the float64 reference."""
     features = [FeatureConfig("clicked", "item", "sum", 8)]
     auto = [TableConfig("item", 4096, 16, placement="rows", row_sharding="auto")]
@@ -401,7 +402,11 @@ def test_row_sharding_auto_is_the_planners_choice():
     got = {name: plan_collection(auto, features, mesh, id_stats=s, **kw).table_configs[0]
            for name, s in (("hot", hot), ("flat", flat), ("none", None))}  # fmt: skip
     assert {k: (t.placement, t.row_sharding) for k, t in got.items()} == {
-        "hot": ("rows", "mod"), "flat": ("rows", "block"), "none": ("rows", "block")}  # fmt: skip
+        "hot": ("rows", "mod"), "flat": ("rows", "block"), "none": ("rows", "mod")}  # fmt: skip
+    unseen = plan_collection(auto, features, mesh, **kw).tables[0].reason
+    assert "mod rows: its ids are unseen (robust to hot ids in one block); id_stats=" in unseen
+    seen = plan_collection(auto, features, mesh, id_stats=hot, **kw).tables[0].reason
+    assert "unseen" not in seen
     assert layout_collection(auto, features, mesh).placement("item").row_sharding == "block"
     fixed = [TableConfig("item", 4096, 16, placement="rows")]  # block, as configured
     kept = plan_collection(fixed, features, mesh, id_stats=hot, **kw)

@@ -231,13 +231,33 @@ def _choices(t: TableConfig, sizes: dict[str, int]) -> list[str]:
 
 
 def _row_sharding(ctx: Context, t: TableConfig, placement: str) -> str:
-    """Mod rows where the sample's busiest block shard holds clearly more (>10%); a table
-    without a sample keeps its own, `"auto"` block (a dynamic table's rows are in blocks)."""
+    """Mod rows where the sample's busiest block shard holds clearly more (>10%); where no
+    sample holds the table's ids, mod rows too, the robust choice (`_unseen`): ids ranked by
+    frequency put a block's worth of hot ids on one shard, and hashed ids split alike either
+    way. A dynamic table (rows in blocks) and a placement without split rows keep their own
+    (`"auto"`: block)."""
     own = "block" if t.row_sharding == "auto" else t.row_sharding
-    skew = _skew(ctx, t, placement)
-    if skew is None:
-        return own
-    return "mod" if skew["mod"] < 0.9 * skew["block"] else "block"
+    if not _unseen(ctx, t, placement):
+        skew = _skew(ctx, t, placement)
+        return own if skew is None else "mod" if skew["mod"] < 0.9 * skew["block"] else "block"
+    return "mod"
+
+
+def _unseen(ctx: Context, t: TableConfig, placement: str) -> bool:
+    """A table split by rows whose ids no sample (`id_stats`) holds: the planner cannot tell
+    whether they crowd one block shard."""
+    split = placement in ("rows", "table_rows") and t.dynamic is None
+    return split and (ctx.stats is None or t.name not in ctx.stats.samples)
+
+
+def _unseen_note(ctx: Context, t: TableConfig, placement: str, row_sharding: str) -> str:
+    """What a table the planner split by mod rows without seeing its ids would gain from a
+    sample: the plan says so."""
+    if row_sharding != "mod" or not _unseen(ctx, t, placement):
+        return ""
+    return ("; mod rows: its ids are unseen (robust to hot ids in one block); id_stats= of a "
+            "few batches lets the planner check the row sharding and size the routed capacity "
+            "from the ids")  # fmt: skip
 
 
 def _skew(ctx: Context, t: TableConfig, placement: str) -> dict[str, float] | None:
@@ -555,6 +575,7 @@ def _assemble(ctx, best: LayoutCost, budget, reasons, tables) -> CollectionPlan:
             wire_bytes=wire, modelled_ms=ms, memory_bytes=best.table_bytes[t.name],
             reason=reasons.get(t.name, "fixed by its config")
             + _block_note(ctx, t, p.placement, p.row_sharding)
+            + _unseen_note(ctx, t, p.placement, p.row_sharding)
             + _dynamic_note(t, layout.state_shards(t.name)),
         ))  # fmt: skip
     routes = any(c.exchange == "routed" for c in best.calls)
