@@ -7,6 +7,7 @@
     python -m benchmarks recsys-processes        # 2 processes x 1 device against 1 x 1
     python -m benchmarks routed-pieces           # the routed exchange's pieces against copies
     python -m benchmarks --calibrate             # the cost model's CPU constants
+    python -m benchmarks grid                    # 1 device against FBGEMM's TBE, a grid of cells
     jaxembed bench ...                           # the same, from a checkout
 
 One sub-package per capability, each with its own `bench.py` (`main` and a library function):
@@ -50,6 +51,7 @@ SUBCOMMANDS = {
     "dynamic-dlrm": "benchmarks.dynamic.dlrm_step",
     "dynamic-sharded": "benchmarks.dynamic.sharded",
     "quant-fbgemm": "benchmarks.quant.fbgemm",
+    "grid": "benchmarks.grid.bench",
 }
 """`python -m benchmarks NAME ...` runs `main` of this module; no NAME runs `layouts`."""
 

@@ -26,7 +26,7 @@ from jaxembed.workloads import EPS, LEARNING_RATE, Batch, Workload
 if TYPE_CHECKING:
     import jax
 
-    from benchmarks.common.variants import Variant
+Variant = Any  # a `benchmarks.common.variants.Variant` (not imported: variants imports this)
 
 __all__ = [
     "Reference", "agreement", "check", "compare_tables", "dense_reference", "exact_cotangent",

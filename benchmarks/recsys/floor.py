@@ -105,7 +105,7 @@ def _worker(workload: str, devices: int, variants: Sequence[str], config: FloorC
     import jax
 
     from benchmarks.recsys import impls
-    from benchmarks.recsys.bench import make_workload
+    from benchmarks.recsys.workload import make_workload
 
     w = make_workload(workload, quick=config.quick)
     runners = {}

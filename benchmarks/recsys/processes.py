@@ -40,7 +40,7 @@ def _step_times(workload: str, variant: str, steps: int, warmup: int) -> dict[st
     import numpy as np
 
     from benchmarks.recsys import impls
-    from benchmarks.recsys.bench import make_workload
+    from benchmarks.recsys.workload import make_workload
     from jaxembed import workloads as W
 
     w = make_workload(workload)

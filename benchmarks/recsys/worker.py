@@ -229,7 +229,7 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
 
     from benchmarks.recsys import hlo_profile as recsys_profile
     from benchmarks.recsys import impls
-    from benchmarks.recsys.bench import make_workload
+    from benchmarks.recsys.workload import make_workload
     from jaxembed.kernels import native
 
     require_devices(config.devices)

@@ -74,7 +74,7 @@ def time_pieces(workload_name: str, repeats: int = 12, max_seconds: float = 3.0,
     import numpy as np
 
     from benchmarks.recsys import impls
-    from benchmarks.recsys.bench import make_workload
+    from benchmarks.recsys.workload import make_workload
     from jaxembed import workloads as W
 
     if workload_name.startswith("tokens"):
