@@ -363,15 +363,22 @@ def assert_update_equal(got, want, before, touched):
         assert g[untouched].tobytes() == b[untouched].tobytes()
 
 
+# The update sums a row's gradients two ways: in a [R, H] block where the table is small and
+# the batch touches it often (40 rows), else over the slots sorted by row (4000 rows): both must
+# be XLA's bits.
+PATHS = pytest.mark.parametrize("rows", [R, 4000], ids=["dense", "sorted"])
+
+
+@PATHS
 @pytest.mark.parametrize("name", FORMULAS)
-def test_apply_rows_matches_xla_every_formula(name):
+def test_apply_rows_matches_xla_every_formula(name, rows):
     formula = FORMULAS[name]
     rng = np.random.default_rng(7)
-    table, local, valid, _, _ = make_slots(7, 90)
-    state = random_state(formula, rng, R)
+    table, local, valid, _, _ = make_slots(7, 90, rows=rows)
+    state = random_state(formula, rng, rows)
     grads = jnp.asarray(rng.normal(size=(90, H)), jnp.float32)
-    touched = np.zeros(R, bool)
-    touched[local[valid & (local >= 0) & (local < R)]] = True
+    touched = np.zeros(rows, bool)
+    touched[local[valid & (local >= 0) & (local < rows)]] = True
     for count in (0, 4):
         got = jax.jit(native.apply_rows, static_argnums=0, static_argnames="hidden_size")(
             formula, table, state, jnp.int32(count), local, valid, grads, hidden_size=H
@@ -386,7 +393,7 @@ def test_apply_rows_matches_xla_every_formula(name):
             np.where(valid, local, -1),
             np.asarray(grads),
             count=count,
-            vocab_size=R,
+            vocab_size=rows,
         )  # fmt: skip  (float64; invalid slots as id -1, which the reference skips)
         np.testing.assert_allclose(got[0], ref_w, rtol=2e-4, atol=2e-5)
         for g, w in zip(got[1], ref_s, strict=True):
@@ -416,14 +423,15 @@ def test_apply_rows_matches_xla_every_formula(name):
     ],
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_bag_apply_rows_matches_xla(name, dtype):
+@PATHS
+def test_bag_apply_rows_matches_xla(name, dtype, rows):
     formula = FORMULAS[name]
     rng = np.random.default_rng(8)
-    table, local, valid, seg, scale = make_slots(8, 110, dtype=dtype)
-    state = random_state(formula, rng, R)
+    table, local, valid, seg, scale = make_slots(8, 110, dtype=dtype, rows=rows)
+    state = random_state(formula, rng, rows)
     out_grad = jnp.asarray(rng.normal(size=(S, H)), dtype)
-    touched = np.zeros(R, bool)
-    touched[local[valid & (local >= 0) & (local < R)]] = True  # segment -1 / >= S: zero grad
+    touched = np.zeros(rows, bool)
+    touched[local[valid & (local >= 0) & (local < rows)]] = True  # segment -1 / >= S: zero grad
     got = native.bag_apply_rows(
         formula, table, state, 3, local, valid, seg, scale, out_grad, hidden_size=H
     )
