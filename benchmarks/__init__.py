@@ -8,6 +8,7 @@
     python -m benchmarks routed-pieces           # the routed exchange's pieces against copies
     python -m benchmarks --calibrate             # the cost model's CPU constants
     python -m benchmarks grid                    # 1 device against FBGEMM's TBE, a grid of cells
+    python -m benchmarks defaults                # the planner and 8 devices, as users write them
     jaxembed bench ...                           # the same, from a checkout
 
 One sub-package per capability, each with its own `bench.py` (`main` and a library function):
@@ -52,6 +53,7 @@ SUBCOMMANDS = {
     "dynamic-sharded": "benchmarks.dynamic.sharded",
     "quant-fbgemm": "benchmarks.quant.fbgemm",
     "grid": "benchmarks.grid.bench",
+    "defaults": "benchmarks.defaults",
 }
 """`python -m benchmarks NAME ...` runs `main` of this module; no NAME runs `layouts`."""
 
