@@ -219,18 +219,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in range(opts.rounds):
         for placement in ("auto", *uniform):
             print(f"round {r}: planner {placement}", file=sys.stderr, flush=True)
-            record["planner"].setdefault(placement, []).append(
-                _run("planner", placement, opts, 8))
+            record["planner"].setdefault(placement, []).append(_run("planner", placement, opts, 8))
         for devices in (1, 8):
             print(f"round {r}: scale-out {devices}", file=sys.stderr, flush=True)
             record["scaleout"].setdefault(str(devices), []).append(
-                _run("scaleout", str(devices), opts, devices))
+                _run("scaleout", str(devices), opts, devices)
+            )
     med = lambda runs: min(x["step_median_in_ms"] for x in runs if "step_median_in_ms" in x)
     best = min(uniform, key=lambda u: med(record["planner"][u])) if uniform else None
     summary = {"planner_ms": med(record["planner"]["auto"])}
     if best:
-        summary.update(best_uniform=best, best_uniform_ms=med(record["planner"][best]),
-                       planner_ratio=summary["planner_ms"] / med(record["planner"][best]))
+        summary.update(
+            best_uniform=best,
+            best_uniform_ms=med(record["planner"][best]),
+            planner_ratio=summary["planner_ms"] / med(record["planner"][best]),
+        )
     one, eight = med(record["scaleout"]["1"]), med(record["scaleout"]["8"])
     summary.update(one_device_ms=one, eight_devices_ms=eight, scaleout_ratio=eight / one)
     record["summary"] = summary

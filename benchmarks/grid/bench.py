@@ -169,8 +169,11 @@ def run_grid(opts: argparse.Namespace) -> dict[str, Any]:
 
 
 def markdown(record: dict[str, Any]) -> str:
-    lines = ["| cell | ids a step | jaxembed ms (ragged) | dense | FBGEMM best ms | its setting "
-             "| ratio | ratio of q25 | checked |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| cell | ids a step | jaxembed ms (ragged) | dense | FBGEMM best ms | its setting "
+        "| ratio | ratio of q25 | checked |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for g in record["groups"]:
 
         def f(k, g=g):

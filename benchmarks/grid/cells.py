@@ -106,8 +106,10 @@ def sample_cells(n: int, seed: int = 0, *, max_table_bytes: int = 3 * 2**30) -> 
 
 def workload_a_cell(batch: int = 4096) -> list[Cell]:
     """The issue's workload (a) as cells: 8 tables of 1e6 .. 100 rows x 64, 1-20 Zipf(1.1)."""
-    return [Cell(batch, 64, "1-20", "zipf1.1", r)
-            for r in (1_000_000, 500_000, 100_000, 100_000, 50_000, 10_000, 1_000, 100)]
+    return [
+        Cell(batch, 64, "1-20", "zipf1.1", r)
+        for r in (1_000_000, 500_000, 100_000, 100_000, 50_000, 10_000, 1_000, 100)
+    ]
 
 
 def write_cell(path: str, cells: Sequence[Cell], *, steps: int = 4, seed: int = 0) -> None:

@@ -71,7 +71,8 @@ def run(args: Any) -> dict[str, Any]:
         weights = [w.detach().numpy() for w in tbe.split_embedding_weights()]
         states = [s[0].detach().numpy() for s in tbe.split_optimizer_states()]
         record["check"] = runner.check_tables(
-            cell, args.check, lambda i, rows: (weights[i][rows], states[i][rows]))
+            cell, args.check, lambda i, rows: (weights[i][rows], states[i][rows])
+        )
     tbe = fresh()
 
     def one(i):
