@@ -55,6 +55,7 @@ _LAZY = {
     "quantize": "jaxembed.quant",
     "dequantize": "jaxembed.quant",
     "QuantizedTable": "jaxembed.quant",
+    "default_impl": "jaxembed.plan.impl",
 }
 
 __all__ = [
@@ -70,6 +71,7 @@ __all__ = [
     "__version__",
     "check_ids",
     "check_ids_fit",
+    "default_impl",
     "dequantize",
     "embedding",
     "embedding_bag",

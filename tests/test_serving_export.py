@@ -72,6 +72,32 @@ def _params(precision):
     return {"tables": tables, "mlp": mlp}
 
 
+def _collection(precision):
+    """An NNX collection at its defaults (no `impl=` anywhere: "auto", native kernels here),
+    over the ranker's three features; `precision` quantizes a serving copy of it. Returns
+    `fn(state, ids)` for `export_inference` and the state."""
+    from flax import nnx
+
+    import jaxembed.nnx
+
+    tables = [jaxembed.TableConfig(f"t{f}", V, H) for f in range(len(COMBINERS))]
+    features = [jaxembed.FeatureConfig(f"f{f}", f"t{f}", combiner=c)
+                for f, c in enumerate(COMBINERS)]  # fmt: skip
+    coll = jaxembed.nnx.EmbeddingBagCollection(tables, features, rngs=nnx.Rngs(0))
+    if precision != "float":
+        coll = coll.quantized(precision)
+    graphdef, state = nnx.split(coll)
+
+    def fn(state, ids):  # ids: i32[B, F, L]
+        pooled = nnx.merge(graphdef, state)({f"f{f}": ids[:, f] for f in range(len(COMBINERS))})
+        return {"pooled": jnp.stack([pooled[f"f{f}"] for f in range(len(COMBINERS))], axis=1)}
+
+    return fn, state
+
+
+COLLECTIONS = {"collection": "float", "collection-int8": "int8"}
+
+
 def _inputs():
     rng = np.random.default_rng(1)
     ids = rng.integers(-1, V, (BATCH, len(COMBINERS), L)).astype(np.int32)  # -1: empty slots
@@ -96,6 +122,11 @@ def exported(tmp_path_factory):
         serving.save(artifact, work / name)
         expected = jax.tree.map(np.asarray, jax.jit(fn)(params, ids, dense))
         out[name] = artifact, expected
+    for name, precision in COLLECTIONS.items():  # exported at their defaults, native=False
+        fn, state = _collection(precision)
+        artifact = serving.export_inference(fn, state, jnp.asarray(ids))
+        serving.save(artifact, work / name)
+        out[name] = artifact, jax.tree.map(np.asarray, fn(state, jnp.asarray(ids)))
     shutil.copyfile(ROOT / "jaxembed" / "serving" / "loader.py", work / "loader.py")
     return out, work
 
@@ -120,6 +151,9 @@ inputs = np.load(work / "inputs.npz")
 out = {}
 for name in ("float", "int8", "int4"):
     result = loader.load(work / name)(inputs["ids"], inputs["dense"])
+    out.update({f"{name}/{k}": np.asarray(v) for k, v in result.items()})
+for name in ("collection", "collection-int8"):
+    result = loader.load(work / name)(inputs["ids"])
     out.update({f"{name}/{k}": np.asarray(v) for k, v in result.items()})
 leaked = [m for m, v in sys.modules.items() if m.startswith("jaxembed") and v is not None]
 assert not leaked, leaked
@@ -286,3 +320,34 @@ def test_inputs_of_another_shape_say_what_the_model_takes(exported):
         ValueError, match=r"exported for inputs \(int32\[6, 3, 4\], float32\[6, 3\]\)"
     ):
         model(ids[:2], dense[:2])
+
+
+@pytest.mark.parametrize("name", list(COLLECTIONS))
+def test_a_collection_at_its_defaults_exports_and_serves_without_jaxembed(exported, reloaded, name):
+    """The NNX collection (float, and its int8 serving copy) takes no `impl=`: traced by
+    `export_inference`, its "auto" lookups run XLA's kernels, and the artifact loads and
+    answers in the process without jaxembed as the collection does in this one (float
+    within 1e-6, quantized bitwise)."""
+    artifact, expected = exported[0][name]
+    assert artifact.native_targets == ()
+    got = reloaded[f"{name}/pooled"]
+    if name == "collection":
+        np.testing.assert_allclose(got, expected["pooled"], rtol=1e-6, atol=1e-6)
+    else:
+        np.testing.assert_array_equal(got, expected["pooled"])
+
+
+def test_default_impl_reaches_every_auto_lookup_and_is_scoped():
+    """`jaxembed.default_impl`: "auto" resolves as the block says, explicit impls keep
+    theirs, and the setting ends with the block."""
+    from jaxembed.plan.impl import resolve_impl
+
+    with jaxembed.default_impl("xla"):
+        assert resolve_impl("auto", "cpu", np.float32) == "xla"
+        if native.available():
+            assert resolve_impl("native", "cpu", np.float32) == "native"
+    if native.available():
+        assert resolve_impl("auto", "cpu", np.float32) == "native"
+    with pytest.raises(ValueError, match="default_impl takes one of"):
+        with jaxembed.default_impl("fast"):
+            pass

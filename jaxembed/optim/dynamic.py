@@ -92,6 +92,7 @@ from jaxembed.optim.row_reset import (
     row_leaves,
 )
 from jaxembed.optim.sparse import RowSparseOptimizer
+from jaxembed.plan.impl import auto_means
 
 __all__ = [
     "IMPLS",
@@ -202,6 +203,8 @@ def _check_impl(impl: Any) -> Any:
     """The remap module `impl` names: `remap_native` where "native" (or "auto" and built)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+    if impl == "auto":
+        impl = {"native": "auto"}.get(auto_means(), auto_means())  # `default_impl`'s
     if impl == "native" and not remap_native.available():
         raise RuntimeError(
             "impl='native': the native kernels are unavailable (no C++ compiler, or "

@@ -5,17 +5,58 @@ CPU when they are available and take the table's dtype (float32, bfloat16), and 
 everywhere else (float16 and float64 tables, GPU, TPU); `"native"` insists (an error where
 they cannot run); `"xla"` never uses them. The collectives are the same either way: only the
 gather, pooling, dedup and update loops change.
+
+`default_impl(impl)` is a context in which `"auto"` means `impl`: `export_inference` traces
+under `default_impl("xla")`, so a model whose lookups take the default (a collection, a Flax
+module) exports without custom calls.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-__all__ = ["IMPLS", "resolve_impl"]
+__all__ = ["IMPLS", "default_impl", "resolve_impl"]
 
 IMPLS = ("auto", "xla", "native")
+
+_AUTO: contextvars.ContextVar[str] = contextvars.ContextVar("jaxembed_default_impl", default="auto")
+
+
+@contextlib.contextmanager
+def default_impl(impl: str) -> Iterator[None]:
+    """Within the block, every lookup, update and remap asked for `impl="auto"` (the default)
+    resolves as if asked for `impl`; explicit `"xla"` and `"native"` keep their meaning.
+
+    The choice is made when a function is traced: a `jax.jit` function already traced outside
+    the block keeps its kernels until it traces again (`export_inference` then names any
+    native call it finds).
+
+    Args:
+      impl: `"xla"`, `"native"` or `"auto"`.
+
+    Examples:
+      >>> import numpy as np
+      >>> with default_impl("xla"):
+      ...     resolve_impl("auto", "cpu", np.float32)
+      'xla'
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"default_impl takes one of {IMPLS}, got {impl!r}")
+    token = _AUTO.set(impl)
+    try:
+        yield
+    finally:
+        _AUTO.reset(token)
+
+
+def auto_means() -> str:
+    """What `impl="auto"` asks for here: `"auto"`, or the innermost `default_impl`'s."""
+    return _AUTO.get()
 
 
 def resolve_impl(impl: str, backend: str, dtype: Any) -> str:
@@ -42,6 +83,10 @@ def resolve_impl(impl: str, backend: str, dtype: Any) -> str:
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = _AUTO.get()
+        if impl == "native":  # a default, not a demand: where they cannot run, XLA's
+            impl = "auto"
     if impl == "xla":
         return "xla"
     if backend != "cpu":

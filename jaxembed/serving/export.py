@@ -35,6 +35,7 @@ import numpy as np
 
 import jaxembed
 from jaxembed._native import build
+from jaxembed.plan.impl import default_impl
 from jaxembed.serving import loader
 
 __all__ = [
@@ -144,8 +145,10 @@ def export_inference(
     """Exports `fn(params, *args)` with `jax.export`, its parameters as named leaves.
 
     Export a one-device function: run its lookups without a mesh (e.g.
-    `jaxembed.embedding_bag(ids, table, impl="xla")` on arrays of one device), not over a
-    mesh of several devices. Shapes are static:
+    `jaxembed.embedding_bag(ids, table)` on arrays of one device), not over a mesh of several
+    devices. `fn` is traced under `jaxembed.default_impl("xla")` (unless `native`), so
+    lookups at their default `impl="auto"` (collections, Flax modules) run XLA's kernels and
+    the artifact loads without jaxembed. Shapes are static:
     export once per batch size served (`save(..., params=False)` shares the parameters).
 
     Args:
@@ -199,16 +202,21 @@ def export_inference(
     checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in NATIVE_TARGETS]
     specs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaves)
     args = jax.tree.unflatten(jax.tree.structure(list(example_args)), arg_specs)
-    exported = jax.export.export(jax.jit(flat_fn), platforms=platforms, disabled_checks=checks)(
-        specs, *args
-    )
+    # Lookups at their default impl ("auto": collections, Flax modules) trace as XLA's
+    # kernels unless native kernels are wanted: the artifact then needs nothing of jaxembed.
+    with default_impl("auto" if native else "xla"):
+        exported = jax.export.export(
+            jax.jit(flat_fn), platforms=platforms, disabled_checks=checks
+        )(specs, *args)
     found = native_targets(exported)
     if found and not native:
         raise ValueError(
             f"{flat_fn.__name__} calls jaxembed's native kernels (custom calls "
-            f"{', '.join(found)}), which a process without jaxembed cannot run: pass "
-            "impl='xla' to every lookup in it (e.g. jaxembed.embedding_bag(ids, table, "
-            "impl='xla')) for an artifact that loads with jax alone, or export_inference(..., "
+            f"{', '.join(found)}), which a process without jaxembed cannot run. Lookups at "
+            "their default impl='auto' export as XLA's; these ask for impl='native' (or fn is "
+            "a jax.jit function traced before, with the native kernels): drop impl='native' "
+            "(or pass impl='xla') for an artifact that loads with jax alone, or "
+            "export_inference(..., "
             "native=True), which exports them with jax.export.DisabledSafetyCheck.custom_call("
             f"{found[0]!r}) for each target, and load it with "
             "load(path, register=jaxembed.serving.register)"
