@@ -506,7 +506,11 @@ _quantized_bag_jit = jax.jit(_quantized_bag, static_argnums=(0,))
 
 def _one_device_bag(bags: Bags, batch: ragged.BagBatch, weight, options: LookupOptions):
     """The one-device lookup: the native kernels where they run, else XLA's ops (on `batch`,
-    the bags' canonical form)."""
+    the bags' canonical form). A symbolic shape (`jax.export.symbolic_shape`: an artifact
+    that serves every batch size) runs XLA's ops, which need no plan."""
+    if not all(isinstance(d, int) for a in bags.operands() for d in a.shape):
+        vocab = options.vocab_of(weight.shape[0])
+        return _dense_bag(batch, options.combiner, weight, vocab, options.padding_idx)
     plan = plan_embedding_bag(
         AbstractMesh((1,), ("_",)), bags.ids.shape, weight.shape,
         num_bags=None if bags.lengths is None else bags.lengths.shape[-1],

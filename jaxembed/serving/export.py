@@ -148,8 +148,10 @@ def export_inference(
     `jaxembed.embedding_bag(ids, table)` on arrays of one device), not over a mesh of several
     devices. `fn` is traced under `jaxembed.default_impl("xla")` (unless `native`), so
     lookups at their default `impl="auto"` (collections, Flax modules) run XLA's kernels and
-    the artifact loads without jaxembed. Shapes are static:
-    export once per batch size served (`save(..., params=False)` shares the parameters).
+    the artifact loads without jaxembed. A symbolic batch dimension in `example_args`
+    (`jax.export.symbolic_shape`) serves every batch size from one artifact (dense bags,
+    lookups, collections); otherwise export once per batch size served
+    (`save(..., params=False)` shares the parameters).
 
     Args:
       fn: the inference function, `fn(params, *args) -> outputs`; outputs a pytree of
@@ -266,7 +268,8 @@ def export_inference(
             for n, a in zip(names, leaves, strict=True)
         ],
         "args": [
-            {"name": n, "dtype": s.dtype.name, "shape": list(s.shape)}
+            {"name": n, "dtype": s.dtype.name,
+             "shape": [d if isinstance(d, int) else str(d) for d in s.shape]}  # "b": any size
             for n, s in zip(arg_names, arg_specs, strict=True)
         ],
     }
