@@ -106,6 +106,35 @@ def _served_ids(batch):
     )
 
 
+def _dynamic_config():
+    from jaxembed.dynamic import DynamicTableConfig
+
+    return DynamicTableConfig(capacity=32, bucket_size=4, admit_after=2, policy="lru")
+
+
+def _dynamic():
+    """A `DynamicEmbed` trained a few steps (some ids admitted, some evicted or refused), in
+    evaluation mode: `fn(state, keys)`, its state, and the keys served (trained ids and ids
+    never seen)."""
+    from flax import nnx
+
+    import jaxembed.nnx
+    from jaxembed.dynamic import as_keys
+
+    emb = jaxembed.nnx.DynamicEmbed(_dynamic_config(), H, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(3)
+    seen = rng.integers(-(2**62), 2**62, 60, dtype=np.int64)
+    train = nnx.jit(lambda m, k: m(k))
+    for _ in range(6):
+        train(emb, as_keys(seen[rng.integers(0, len(seen), 24)]))
+    emb.deterministic = True
+    graphdef, state = nnx.split(emb)
+    fresh = rng.integers(-(2**62), 2**62, 20, dtype=np.int64)
+    return (lambda state, keys: nnx.merge(graphdef, state)(keys)), state, as_keys(
+        np.concatenate([seen, fresh])
+    )
+
+
 def _inputs():
     rng = np.random.default_rng(1)
     ids = rng.integers(-1, V, (BATCH, len(COMBINERS), L)).astype(np.int32)  # -1: empty slots
@@ -145,6 +174,12 @@ def exported(tmp_path_factory):
                     for n in SERVED_BATCHES}  # fmt: skip
         out[name] = artifact, expected
     np.savez(work / "batches.npz", **{str(n): _served_ids(n) for n in SERVED_BATCHES})
+    fn, state, keys = _dynamic()
+    (b,) = jax.export.symbolic_shape("b")
+    artifact = serving.export_inference(fn, state, jax.ShapeDtypeStruct((b, 2), jnp.uint32))
+    serving.save(artifact, work / "dynamic")
+    np.save(work / "keys.npy", keys)
+    out["dynamic"] = artifact, (np.asarray(fn(state, jnp.asarray(keys))), state, keys)
     shutil.copyfile(ROOT / "jaxembed" / "serving" / "loader.py", work / "loader.py")
     return out, work
 
@@ -178,6 +213,9 @@ for name in ("any-batch", "any-batch-int8"):
     model = loader.load(work / name)
     for n in batches.files:
         out[f"{name}/{n}"] = np.asarray(model(batches[n])["pooled"])
+keys = np.load(work / "keys.npy")
+out["dynamic/all"] = np.asarray(loader.load(work / "dynamic")(keys))
+out["dynamic/first"] = np.asarray(loader.load(work / "dynamic")(keys[:1]))
 leaked = [m for m, v in sys.modules.items() if m.startswith("jaxembed") and v is not None]
 assert not leaked, leaked
 if (work / "native").exists():  # a native artifact: register jaxembed's kernels first
@@ -415,3 +453,24 @@ def test_ragged_bags_with_a_symbolic_total_serve_any_batch():
         want = np.stack([table.astype(np.float64)[values[s:e]].sum(0)
                          for s, e in itertools.pairwise(starts)])  # fmt: skip
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_dynamic_table_serves_raw_ids_without_jaxembed(exported, reloaded):
+    """A trained `DynamicEmbed` exported at its defaults (a symbolic batch of keys
+    `uint32[b, 2]`): the id -> row map travels in the artifact and is read by XLA ops. In the
+    process without jaxembed every id reads what the training side reads: an admitted id its
+    row of the table, an id without one (never seen, refused or evicted) zeros."""
+    from jaxembed.optim.dynamic import rows_for
+
+    artifact, (expected, state, keys) = exported[0]["dynamic"]
+    assert artifact.native_targets == ()
+    emb = state["embedding"][...]
+    cfg_rows = rows_for(_dynamic_config(), state["remap"].get_value(), keys, impl="xla")
+    rows = np.asarray(cfg_rows)
+    table = np.concatenate([np.asarray(emb), np.zeros((1, H), np.float32)])
+    np.testing.assert_array_equal(reloaded["dynamic/all"], table[rows])
+    np.testing.assert_array_equal(reloaded["dynamic/all"], expected)
+    np.testing.assert_array_equal(reloaded["dynamic/first"], expected[:1])
+    admitted = rows < 32
+    assert 0 < admitted.sum() < len(rows)  # some ids have rows, some read zeros
+    assert not admitted[-20:].any()  # the ids never seen
