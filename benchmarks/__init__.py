@@ -47,6 +47,7 @@ SUBCOMMANDS = {
     "recsys-processes": "benchmarks.recsys.processes",
     "serving": "benchmarks.serving.latency",
     "serving-torchrec": "benchmarks.serving.torchrec_qebc",
+    "serving-delta": "benchmarks.serving.delta",
     "dynamic-auc": "benchmarks.dynamic.auc",
     "dynamic-throughput": "benchmarks.dynamic.throughput",
     "dynamic-dlrm": "benchmarks.dynamic.dlrm_step",

@@ -11,10 +11,13 @@ quantized tables, loads and runs in a process that has only jax (docs/serving.md
 * `save(artifact, path)`: `manifest.json`, `params.npz`, `exported.bin` and a copy of
   `loader.py`;
 * `loader.load(path)`: the standalone loader (standard library, numpy and jax only);
-  `register`, the FFI registration a native artifact's loader calls first.
+  `register`, the FFI registration a native artifact's loader calls first;
+* `DeltaWriter(path).write(params, delta_path)`: the rows training changed since the export
+  (then since the last delta), which `Model.apply_delta` applies to a model while it serves.
 
-The lookups inside `fn` are jaxembed's own (`jaxembed.embedding_bag(..., impl="xla")`, on a
-float or a `jaxembed.QuantizedTable`).
+The lookups inside `fn` are jaxembed's own, at their default `impl="auto"` (traced as XLA's
+kernels, `jaxembed.default_impl`), on float or `jaxembed.QuantizedTable` tables, dynamic
+tables in evaluation mode, collections; a symbolic batch serves every batch size.
 
 Examples:
   >>> import tempfile
@@ -33,6 +36,7 @@ Examples:
 """
 
 from jaxembed.serving import loader as loader
+from jaxembed.serving.delta import DeltaWriter as DeltaWriter
 from jaxembed.serving.export import NATIVE_TARGETS as NATIVE_TARGETS
 from jaxembed.serving.export import Artifact as Artifact
 from jaxembed.serving.export import export_inference as export_inference
@@ -45,6 +49,7 @@ from jaxembed.serving.loader import load as load
 __all__ = [
     "NATIVE_TARGETS",
     "Artifact",
+    "DeltaWriter",
     "Model",
     "export_inference",
     "load",

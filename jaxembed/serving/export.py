@@ -24,6 +24,7 @@ compatibility guarantee), and the loading process registers them first
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 from collections.abc import Callable, Sequence
@@ -133,6 +134,14 @@ def _spec(x: Any, what: str) -> jax.ShapeDtypeStruct:
 def _entries(tree: Any, what: str) -> tuple[list[str], list[Any]]:
     with_paths, _ = jax.tree_util.tree_flatten_with_path(tree)
     return [f"{what}{jax.tree_util.keystr(p)}" for p, _ in with_paths], [x for _, x in with_paths]
+
+
+def params_version(leaves: Sequence[np.ndarray]) -> str:
+    """The version of an artifact's parameters: a digest of the leaves' bytes."""
+    digest = hashlib.sha256()
+    for leaf in leaves:
+        digest.update(np.ascontiguousarray(leaf).view(np.uint8).reshape(-1).data)
+    return digest.hexdigest()[:16]
 
 
 def export_inference(
@@ -252,6 +261,10 @@ def export_inference(
     manifest = {
         "format": loader.FORMAT,
         "function": flat_fn.__name__,
+        # What a delta names (`jaxembed.serving.DeltaWriter`): the exported program, and the
+        # parameters' version, a digest of their bytes (each delta then names the next).
+        "model": hashlib.sha256(serialized).hexdigest()[:16],
+        "version": params_version(leaves),
         "jax_version": jax.__version__,
         "jaxembed_version": jaxembed.__version__,
         "platforms": list(platforms),

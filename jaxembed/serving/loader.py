@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import zipfile
 import zlib
 from collections.abc import Callable, Mapping
@@ -51,6 +52,9 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "DELTA_ARRAYS",
+    "DELTA_FORMAT",
+    "DELTA_MANIFEST",
     "EXPORTED",
     "FORMAT",
     "MANIFEST",
@@ -58,6 +62,7 @@ __all__ = [
     "Model",
     "custom_call_targets",
     "load",
+    "read_delta",
     "read_manifest",
     "stored_dtype",
 ]
@@ -67,6 +72,12 @@ FORMAT = "jaxembed.serving/1"
 
 MANIFEST, PARAMS, EXPORTED = "manifest.json", "params.npz", "exported.bin"
 """The artifact's file names."""
+
+DELTA_FORMAT = "jaxembed.serving.delta/1"
+"""The format of a delta (`jaxembed.serving.DeltaWriter`) this loader applies."""
+
+DELTA_MANIFEST, DELTA_ARRAYS = "delta.json", "delta.npz"
+"""A delta's file names: which rows of which leaves, and their new values."""
 
 _REQUIRED = ("format", "function", "platforms", "native_targets", "params", "args")
 """The manifest's keys the loader reads (`params_file` may be absent: no `params.npz`)."""
@@ -245,6 +256,8 @@ class Model:
         self.leaf_names = tuple(e["name"] for e in manifest["params"])
         self._leaves = tuple(jax.device_put(leaf, device) for leaf in leaves)
         self.params = dict(zip(self.leaf_names, self._leaves, strict=True))
+        self.version = manifest.get("version")
+        self._updating = threading.Lock()
         self._jitted = jax.jit(exported.call)
         self._compiled = None
         self._arg_trees = tuple(exported.in_tree.children()[0].children()[1:])  # ((p, *a), {})
@@ -284,13 +297,14 @@ class Model:
           TypeError: a float or bool array (or scalar) where integers were exported.
         """
         args = self._checked(args)
+        leaves = self._leaves  # read once: a delta applied meanwhile is seen whole or not at all
         if self._compiled is not None:
             try:
-                return self._compiled(self._leaves, *args)
+                return self._compiled(leaves, *args)
             except TypeError:  # other shapes or dtypes than compiled for: jit checks them
                 pass
         try:
-            return self._jitted(self._leaves, *args)
+            return self._jitted(leaves, *args)
         except ValueError as e:
             if "mismatch for args[" not in str(e):
                 raise
@@ -299,6 +313,66 @@ class Model:
                 f"{e} (args[0] there is the parameters, args[1] the model's first input): the "
                 f"model was exported for inputs ({takes}); export it again for other shapes"
             ) from e
+
+    def apply_delta(self, path: str | Path) -> str:
+        """Applies a delta (`jaxembed.serving.DeltaWriter.write`): the rows it names take its
+        values, in every leaf it names; the model is then at the delta's version.
+
+        The new leaves are built beside the old ones and swapped in at once: a call running
+        meanwhile (from another thread) reads the old parameters or the new ones, whole,
+        never a mix. Deltas apply in the order they were written, each to the version it
+        was written from.
+
+        Args:
+          path: the delta's directory (`delta.json`, `delta.npz`).
+
+        Returns:
+          The model's new version.
+
+        Raises:
+          FileNotFoundError: no delta at `path`.
+          ValueError: a delta of another format or another model, one written from another
+            version than this model's (the versions named: apply the deltas in order, or
+            load the artifact again), a leaf it names that the model lacks, rows out of a
+            leaf's range, values of another shape or dtype, a damaged file (named).
+        """
+        path = Path(path)
+        delta = read_delta(path)
+        where = path / DELTA_MANIFEST
+        if delta["model"] != self.manifest.get("model"):
+            raise ValueError(
+                f"{where} is a delta of model {delta['model']!r}, and this model is "
+                f"{self.manifest.get('model')!r} ({self.manifest['function']}): apply deltas "
+                "written from this model's artifact (DeltaWriter(artifact_path))"
+            )
+        index = {name: i for i, name in enumerate(self.leaf_names)}
+        unknown = [e["name"] for e in delta["leaves"] if e["name"] not in index]
+        if unknown:
+            raise ValueError(
+                f"{where} names leaves {unknown} this model does not have (it has "
+                f"{list(self.leaf_names)}): the delta is of another export of the model"
+            )
+        arrays = _read_npz(path / DELTA_ARRAYS, [k for e in delta["leaves"]
+                                                 for k in (f"rows/{e['name']}",
+                                                           f"values/{e['name']}")])  # fmt: skip
+        with self._updating:  # one delta at a time; calls go on meanwhile
+            if delta["base_version"] != self.version:
+                raise ValueError(
+                    f"{where} was written from version {delta['base_version']!r} and this "
+                    f"model is at version {self.version!r}: apply the deltas in the order they "
+                    "were written (each names the version it follows), or load the artifact "
+                    "again and apply those written since its version"
+                )
+            leaves = list(self._leaves)
+            for entry in delta["leaves"]:
+                name = entry["name"]
+                i = index[name]
+                rows, values = arrays[f"rows/{name}"], arrays[f"values/{name}"]
+                leaves[i] = _patched(leaves[i], rows, values, self.manifest["params"][i], where)
+            self._leaves = tuple(leaves)  # the swap: one assignment
+            self.params = dict(zip(self.leaf_names, self._leaves, strict=True))
+            self.version = delta["version"]
+        return self.version
 
     def _checked(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """`args` with each integer input checked against the exported dtype and cast to it;
@@ -379,6 +453,64 @@ def _checked_input(x: Any, aval: Any, label: str) -> Any:
                 "int64 ids"
             )
     return x.astype(want)
+
+
+def read_delta(path: str | Path) -> dict[str, Any]:
+    """A delta's `delta.json`, checked for the format and the keys `apply_delta` reads.
+
+    Raises:
+      FileNotFoundError: `path` holds no `delta.json`.
+      ValueError: another format, a file that is not a JSON object or lacks keys (named).
+    """
+    file = Path(path) / DELTA_MANIFEST
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{file} does not exist: apply_delta takes the directory DeltaWriter.write wrote "
+            "(delta.json, delta.npz)"
+        )
+    try:
+        delta = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _damaged(file, f"is not a JSON delta ({type(e).__name__}: {e})") from e
+    if not isinstance(delta, dict) or delta.get("format") != DELTA_FORMAT:
+        got = delta.get("format") if isinstance(delta, dict) else type(delta).__name__
+        raise ValueError(
+            f"{file} is of format {got!r}, and this loader applies {DELTA_FORMAT!r}: write it "
+            "again with jaxembed.serving.DeltaWriter of this jaxembed"
+        )
+    missing = [k for k in ("model", "base_version", "version", "leaves") if k not in delta]
+    if missing:
+        raise _damaged(file, f"lacks the keys {missing}")
+    return delta
+
+
+def _patched(leaf: Any, rows: np.ndarray, values: np.ndarray, entry: Mapping[str, Any],
+             where: Path) -> Any:  # fmt: skip
+    """`leaf` with `leaf[rows] = values`, a new array (the old one may be in use)."""
+    name, shape = entry["name"], tuple(entry["shape"])
+    dtype = jnp.dtype(entry["dtype"])
+    if stored_dtype(dtype) != dtype and values.dtype == stored_dtype(dtype):
+        values = values.view(dtype)  # bfloat16's bits, stored as uint16
+    if not shape:  # a scalar leaf: replaced whole
+        want = ()
+    else:
+        want = (len(rows), *shape[1:])
+        if rows.ndim != 1 or not np.issubdtype(rows.dtype, np.integer):
+            raise ValueError(f"{where}: the rows of leaf {name} are not a 1-D integer array")
+        if len(rows) and (rows.min() < 0 or rows.max() >= shape[0]):
+            raise ValueError(
+                f"{where}: leaf {name} has {shape[0]} rows, and the delta writes row "
+                f"{int(rows.max() if rows.max() >= shape[0] else rows.min())}: the delta is of "
+                "another export of the model"
+            )
+    if values.shape != want or jnp.dtype(values.dtype) != dtype:
+        raise ValueError(
+            f"{where}: leaf {name} takes {_describe(dtype, want)} values, the delta holds "
+            f"{_describe(values.dtype, values.shape)}: the delta is of another export"
+        )
+    if not shape:
+        return jax.device_put(values, leaf.sharding)
+    return leaf.at[rows].set(jax.device_put(values, leaf.sharding))
 
 
 def load(
