@@ -234,8 +234,10 @@ def test_update_plan_collectives_are_the_compiled_ones():
     ids = put(np.zeros((8, 8), np.int32), mesh, P("data"))
     g = put(np.zeros((8, 8, HIDDEN), np.float32), mesh, P("data"))
     state = opt.init(table)
-    text = jax.jit(opt.update).lower(table, state, ids, g).compile().as_text()
-    plan = opt.plan(mesh, (8, 8), (ROWS, HIDDEN), x_spec=P("data"), weight_spec=P("model", None))
+    rows = lambda t, s, i, g: opt.update(t, s, i, g, exchange="rows")
+    text = jax.jit(rows).lower(table, state, ids, g).compile().as_text()
+    plan = opt.plan(mesh, (8, 8), (ROWS, HIDDEN), x_spec=P("data"), weight_spec=P("model", None),
+                    exchange="rows")  # fmt: skip
     assert plan.exchange == "rows" and plan.for_update
     update_only = dataclasses.replace(plan, forward=())  # the update runs no forward collective
     check_hlo_against_plan(update_only, text, mesh)
@@ -248,6 +250,7 @@ def test_update_plan_collectives_are_the_compiled_ones():
         (P("model", None), P(None, "data"), None),  # the ids move into the update's body
         (P("model", None), P("data"), "max"),  # the winners are recomputed
         (P("model", None), P("model"), None),  # routed
+        (P(), P("data"), "sum"),  # dense: the gradient shard and the row counts summed
     ],
 )
 def test_update_plans_list_every_collective(w_spec, x_spec, combiner):
@@ -266,13 +269,78 @@ def test_update_plans_list_every_collective(w_spec, x_spec, combiner):
                            extra_kinds={"pmax": "all-reduce", "pmin": "all-reduce"})  # fmt: skip
 
 
-def test_dense_exchange_is_refused():
+@pytest.mark.parametrize("name", ["rowwise_adagrad", "adam", "ftrl"])
+@pytest.mark.parametrize("layout", ["replicated", "rows", "hidden"])
+def test_the_dense_exchange_of_an_update_matches_float64_reference(layout, name):
+    """`exchange="dense"`: each device's gradient shard and row counts summed over the batch
+    axes, then the rows any batch read updated everywhere: table, state and untouched rows
+    as the float64 reference (optimizers with moments too: a row read with a zero gradient
+    is still a row read)."""
+    mesh_shape, w_spec, x_spec = LAYOUTS[layout]
+    mesh = make_mesh(mesh_shape, AxisType.Explicit)
+    opt = OPTIMIZERS[name]()
+    rng = np.random.default_rng(len(layout) * 3 + len(name))
+    batches, table = [], None
+    for _ in range(2):
+        ids, t, grad = make_inputs(rng, (8, 8), vocab_size=VOCAB, padding_idx=PAD)
+        table = t if table is None else table
+        ids[:, :2] = 3
+        grad[0, 0] = 0.0  # a row read with a zero gradient
+        batches.append((ids, grad, None))
+    plan = opt.plan(mesh, (8, 8), (ROWS, HIDDEN), x_spec=x_spec, weight_spec=w_spec,
+                    exchange="dense", vocab_size=VOCAB, padding_idx=PAD)  # fmt: skip
+    assert plan.exchange == "dense"
+    table_d, state = run_steps(opt, mesh, w_spec, x_spec, table, batches, vocab_size=VOCAB,
+                               padding_idx=PAD, exchange="dense")  # fmt: skip
+    ref_table = table.astype(np.float64)
+    ref_states = reference.init_states(opt.formula, ROWS, HIDDEN)
+    for count, (ids, grad, _) in enumerate(batches):
+        ref_table, ref_states = reference.sparse_step(
+            opt.formula, ref_table, ref_states, ids, grad, count=count, vocab_size=VOCAB,
+            padding_idx=PAD,
+        )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(table_d), ref_table, rtol=1e-5, atol=1e-6)
+    for got, want in zip(slots_of(opt, state), ref_states, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    touched = np.zeros(ROWS, bool)
+    for ids, _, _ in batches:
+        ok = (ids >= 0) & (ids < VOCAB) & (ids != PAD)
+        touched[ids[ok]] = True
+    np.testing.assert_array_equal(np.asarray(table_d)[~touched], table[~touched])
+    assert table_d.sharding.is_equivalent_to(NamedSharding(mesh, w_spec), 2)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+def test_the_dense_exchange_of_a_bag_update_matches_reference(combiner):
+    mesh = make_mesh((8,), AxisType.Explicit)
+    opt = jaxembed.optim.rowwise_adagrad(0.1)
+    rng = np.random.default_rng(11 + len(combiner))
+    table = rng.normal(size=(ROWS, HIDDEN)).astype(np.float32)
+    x = rng.integers(0, VOCAB, size=(16, 6)).astype(np.int32)
+    x[rng.random(x.shape) < 0.3] = -1
+    x[2, :3] = [4, 4, 9]
+    ct = rng.normal(size=(16, HIDDEN)).astype(np.float32)
+    table_d = put(table, mesh, P())
+    kw = dict(combiner=combiner, vocab_size=VOCAB, padding_idx=PAD, exchange="dense")
+    table_d, state = jax.jit(lambda t, s, i, g: opt.update(t, s, i, g, **kw))(
+        table_d, opt.init(table_d), put(x, mesh, P("model")), put(ct, mesh, P("model")))
+    grads = per_slot_grads(x, ct, combiner, table.astype(np.float64))
+    ref_table, ref_states = reference.sparse_step(
+        opt.formula, table, reference.init_states(opt.formula, ROWS, HIDDEN),
+        np.where(x >= 0, x, -1), grads, count=0, vocab_size=VOCAB, padding_idx=PAD,
+    )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(table_d), ref_table, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(slots_of(opt, state)[0], ref_states[0], rtol=1e-5, atol=1e-6)
+
+
+def test_the_dense_exchange_of_a_max_bag_update_is_refused():
     mesh = make_mesh((2, 4), AxisType.Explicit)
     opt = jaxembed.optim.sgd(0.1)
     table = put(np.zeros((ROWS, HIDDEN), np.float32), mesh, P("model", None))
     ids = put(np.zeros((8, 8), np.int32), mesh, P("data"))
-    with pytest.raises(ValueError, match="exchange='dense' all-reduces a gradient shard"):
-        opt.update(table, opt.init(table), ids, jnp.zeros((8, 8, HIDDEN)), exchange="dense")
+    with pytest.raises(ValueError, match="exchange='dense' in a row-sparse update of max"):
+        opt.update(table, opt.init(table), ids, jnp.zeros((8, HIDDEN)), exchange="dense",
+                   combiner="max")  # fmt: skip
 
 
 def test_out_grad_of_the_wrong_shape_is_refused():

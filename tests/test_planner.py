@@ -110,7 +110,7 @@ def test_modelled_bytes_equal_the_compiled_lookup_and_update():
     plan = plan_for("4MiB", mesh=mesh, backend="gpu")
     # The plan mixes placements and exchanges: the check covers each of them.
     assert {"rows", "replicated", "columns"} <= set(plan.placements.values())
-    assert {"routed", "rows", "none"} == {c.exchange for c in plan.calls}
+    assert {"routed", "dense", "none"} == {c.exchange for c in plan.calls}  # dense: small tables
     data = NamedSharding(mesh, P(("data", "model")))
     opt = jaxembed.optim.rowwise_adagrad(0.1)
     with jax.set_mesh(mesh):  # abstract arrays: only the compiled programs are needed

@@ -182,6 +182,12 @@ def bag_slot_grads(
     return s.local, s.here, _slot_grads(plan, s, out_grad, winners)
 
 
+def bag_slots(plan: EmbeddingPlan, bags: Bags) -> _Slots:
+    """This device's own slots (its bags, no exchange): each one's local row and whether it
+    reads one here (`.local`, `.here`)."""
+    return _slots(plan, bags, my_bags_only=True)
+
+
 def _slot_grads(plan: EmbeddingPlan, s: _Slots, out_grad, winners) -> jax.Array:
     hidden = out_grad.shape[-1]
     og = out_grad.reshape(-1, hidden).astype(jnp.float32)  # f32[G*B, H/K]

@@ -5,7 +5,10 @@ device, what the backward of the lookup (or bag lookup) runs up to the gradient'
 and then, instead of a scatter-add into a zero shard, `jaxembed.kernels.sparse.apply_rows`:
 dedup, gather the rows and their state, the formula, scatter back. The plan's exchange is
 `rows` (or `none`): the batch's partial sum is resolved by moving ids and output gradients,
-never by an all-reduce of a table-shaped buffer.
+or, where the table is small beside the batch (the cost model's choice, or
+`exchange="dense"`), by a `psum` over the batch axes of each device's gradient shard and of
+each row's count of slots, after which every device updates the rows any device's batch
+read: a replicated table's update then walks each device's own slots, not the whole batch's.
 
 `after(x, *reads)` orders the update after the step's reads of the table (see its docstring).
 """
@@ -21,7 +24,7 @@ import jax.numpy as jnp
 from jaxembed.kernels import local as local_ops
 from jaxembed.kernels import routed as routed_ops
 from jaxembed.kernels.arrays import conform, retype
-from jaxembed.kernels.bag import exchanged_slot_grads, moved_bags, pool
+from jaxembed.kernels.bag import bag_slots, exchanged_slot_grads, moved_bags, pool
 from jaxembed.kernels.common import counts_spec, device_count, out_grad_to_body
 from jaxembed.kernels.reshard import apply_moves, gather
 from jaxembed.kernels.select import kernels_for, native_update
@@ -54,11 +57,28 @@ def _plain_update(plan: EmbeddingPlan, given, out_grad, consume):
         overflow = routed_ops.overflowed(buckets, plan.mesh_names)
         return jax.lax.cond(overflow, fallback, routed, None), overflow.astype(jnp.int32)
     out_grad = out_grad_to_body(plan, out_grad)  # f[*batch / ids_spec, H/K]
+    if plan.exchange == "dense":  # this device's slots into a gradient shard, summed over B
+        local, here = local_ops.local_rows(plan, ids)
+        grad = routed_ops.scatter_grads(plan, local, here, out_grad)  # f32[V/R, H/K]
+        return consume(*_dense_exchange(plan, local, here, grad)), jnp.zeros((), jnp.int32)
     if plan.exchange == "rows":
         for dim, axes in plan.batch_gathers:
             ids = gather(ids, axes, dim)
             out_grad = gather(out_grad, axes, dim)
     return consume(*local_ops.local_rows(plan, ids), out_grad), jnp.zeros((), jnp.int32)
+
+
+def _dense_exchange(plan: EmbeddingPlan, local: jax.Array, here: jax.Array, grad: jax.Array):
+    """The dense exchange of an update: this device's gradient shard `grad` f32[V/R, H/K]
+    (its own slots, `local` where `here`) and each row's count of slots summed over the
+    batch axes B. Returns `(rows, touched, grad)`: every row of the shard i32[V/R], whether
+    any device's batch read it, and the whole batch's gradient, what `consume` updates."""
+    num_rows = grad.shape[0]
+    at = jnp.where(here, local, num_rows).reshape(-1)  # i32[M], V/R: read nothing here
+    count = jnp.zeros((num_rows,), jnp.int32).at[at].add(1, mode="drop")  # i32[V/R]
+    count = jax.lax.psum(count, plan.batch_axes)  # every device's slots of each row
+    grad = jax.lax.psum(grad, plan.batch_axes)  # f32[V/R, H/K], the batch's gradient
+    return jnp.arange(num_rows, dtype=jnp.int32), count > 0, grad
 
 
 def distinct_rows(local: jax.Array, here: jax.Array, num_rows: int) -> jax.Array:
@@ -112,6 +132,22 @@ def update_body(plan: EmbeddingPlan, formula: Any, num_slots: int, *arrays,
         return new, overflow, device_count(plan, written)
     bags = moved_bags(plan, given)
     winners = pool(plan, bags, table)[1] if plan.bag.combiner == "max" else None
+    if plan.exchange == "dense":  # this device's bags into a gradient shard, summed over B
+        s = bag_slots(plan, bags)
+        scatter = functools.partial(routed_ops.scatter_grads, plan)
+        fused_scatter = None
+        if plan.impl == "native":  # the bag's backward into the shard, no [M, H] buffer
+
+            def fused_scatter(s, og):
+                return kernels_for(plan).bag_scatter_add(
+                    plan.table_shard_shape, s.local, s.here, s.segment, s.scale, og
+                )
+
+        grad, _ = exchanged_slot_grads(
+            plan, bags, out_grad, winners, scatter, fused=fused_scatter
+        )  # f32[V/R, H/K]
+        new, written = consume(*_dense_exchange(plan, s.local, s.here, grad))
+        return new, jnp.zeros((), jnp.int32), device_count(plan, written)
     fused = None
     if native:
 

@@ -170,8 +170,10 @@ class RowSparseOptimizer:
           padding_idx, vocab_size, mesh, x_spec, weight_spec, out_spec, row_sharding,
             capacity, capacity_factor, impl: the lookup's arguments (see
             `jaxembed.embedding`).
-          exchange: `"auto"`, `"rows"` or `"routed"`; `"dense"` is refused (it all-reduces a
-            table-sized buffer, which this update exists to avoid).
+          exchange: `"auto"` (the cost model's choice), `"rows"`, `"routed"` or `"dense"`
+            (a `psum` of the gradient shard and of each row's count of slots over the batch
+            axes, then every device updates the rows any batch read: for tables small beside
+            the batch; not for max-pooled bags).
           gradient_exchange: the old name of `exchange`.
           lengths, offsets, per_id_weights, combiner, include_last_offset: the bag lookup's
             arguments; any of them makes this a bag update.

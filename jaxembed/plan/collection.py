@@ -360,11 +360,11 @@ def plan_collection(
       ...                        memory_per_device="256MiB", backend="gpu")
       >>> plan.placements  # a replica of item needs 260 MB
       {'item': 'rows', 'user': 'rows', 'country': 'replicated', 'os': 'replicated'}
-      >>> plan.exchanges  # per stack: item and user share one, routed
-      {0: 'routed', 1: 'rows'}
+      >>> plan.exchanges  # per stack: item and user routed; the small replicas sum a shard
+      {0: 'routed', 1: 'dense'}
       >>> print(plan)
       CollectionPlan  mesh: x=8  batch 4096 over (x)  backend gpu
-        modelled step 0.174 ms (slowest device); peak memory ...
+        modelled step 0.167 ms (slowest device); peak memory ...
       ...
       >>> plan_collection(tables, features, mesh, batch_size=4096, memory_per_device="8MiB")
       Traceback (most recent call last):

@@ -81,21 +81,46 @@ def rows_gathers(g: Geometry) -> tuple[list[Collective], int]:
     return collectives, buffers
 
 
+def _dense_update(g: Geometry, constants, base_bytes, base_count, dense, slots, shard_rows,
+                  share, row_bytes, nb):  # fmt: skip
+    """The dense exchange of a row-sparse update, weighed: `(candidate, collectives, 0)`."""
+    wire = cost.ring_wire_bytes("all-reduce", nb, shard_rows * 4)
+    counts = collective(
+        "backward", "psum", g.batch_axes, "row_counts", (shard_rows,), "int32", wire,
+        "dense exchange: count each row's slots over the batch, the rows to update",
+    )  # fmt: skip
+    collectives = [*dense, counts]
+    total = base_bytes + sum(c.wire_bytes for c in collectives)
+    seconds = cost.modelled_seconds(
+        constants, wire_bytes=total, rows=slots * share + 2 * shard_rows, row_bytes=row_bytes,
+        collectives=base_count + len(collectives), sorted_ids=shard_rows,
+        slots=slots + shard_rows,
+    )  # fmt: skip
+    why = ("psum of the gradient shard and of each row's slot count over the batch axes, "
+           "then every device updates the rows any batch read")  # fmt: skip
+    candidate = ExchangeCandidate("dense", total, slots, slots, seconds * 1e3, why)
+    return candidate, collectives, 0
+
+
 def choose_exchange(
     requested, g: Geometry, forward, transposes, backend, *, update=False, extra=None,
     impl="xla",
 ):  # fmt: skip
     """Weighs the exchanges that apply and picks one (the requested one, or the cheapest).
 
-    For a row-sparse update (`update=True`) the dense exchange is not a candidate: it would
-    all-reduce a table-shaped gradient, which the update exists to avoid. `extra` adds
-    candidates built elsewhere (the routed exchange), as `{name: (candidate, collectives,
-    buffers)}` or `{name: reason it does not apply}`.
+    For a row-sparse update (`update=True`) the dense exchange all-reduces the gradient
+    shard and each row's count of slots, then every device updates the rows any batch read:
+    cheap for a small table read by a large batch (a replicated table's update then walks
+    each device's own slots, not the whole batch's), dear for a large one; the model weighs
+    it like the others (not for max-pooled bags, whose updates need the winning slots).
+    `extra` adds candidates built elsewhere (the routed exchange), as `{name: (candidate,
+    collectives, buffers)}` or `{name: reason it does not apply}`.
     """
-    if update and requested == "dense":
+    if update and requested == "dense" and g.is_max:
         raise ValueError(
-            "exchange='dense' all-reduces a gradient shard of the table's size, which a "
-            "row-sparse update never builds: use exchange='rows' (or 'routed', or 'auto')"
+            "exchange='dense' in a row-sparse update of max-pooled bags is not built (each "
+            "row's update needs the slots that won a maximum, not a gradient shard): use "
+            "exchange='rows' (or 'routed', or 'auto')"
         )
     constants = cost.load_constants(backend, impl)
     row_bytes = g.hidden_local * g.e
@@ -158,8 +183,14 @@ def choose_exchange(
             dense,
             0,
         )
-        if update:
+        if update:  # the shard's gradient and each row's count of slots, summed over B;
+            # then every device updates the rows any batch read (its own slots walked once)
             del options["dense"]
+            if not g.is_max:
+                options["dense"] = _dense_update(
+                    g, constants, base_bytes, base_count, dense, slots, shard_rows, share,
+                    row_bytes, nb,
+                )  # fmt: skip
         rows, buffers = rows_gathers(g)
         options["rows"] = (
             candidate(
