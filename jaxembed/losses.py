@@ -21,13 +21,33 @@ log-sum-exp, so nothing `[tokens, V/n]`-sized lives between the passes:
 
 with R the mesh axes splitting the table's rows, K its hidden axis and B the tokens. The
 layouts come from the rule `jaxembed.rules.cross_entropy`; `plan_cross_entropy` prints them.
+
+With Gemma 2's `softcap=c` each chunk's logits become `c * tanh(z / c)` once whole (after
+the psum over K), and the backward multiplies `dlogits` by `1 - tanh(z / c) ** 2`; the sum
+of the capped logits (label smoothing's) is no longer linear in the rows, so it joins the
+online statistics chunk by chunk. Per-token `weights` scale the per-token loss (a weighted
+mean with `reduction="mean"`).
+
+The metrics `argmax`, `top_k` and `accuracy` run in the same layouts and chunks
+(`jaxembed.kernels.vocab_metrics`): each device keeps its best `k` per token, and one
+`all_gather` of those `[R, tokens, k]` candidates over R decides; ties go to the lowest id.
 """
 
 from jaxembed.kernels.cross_entropy import Reduction as Reduction
 from jaxembed.kernels.cross_entropy import (
     vocab_parallel_cross_entropy as vocab_parallel_cross_entropy,
 )
+from jaxembed.kernels.vocab_metrics import accuracy as accuracy
+from jaxembed.kernels.vocab_metrics import argmax as argmax
+from jaxembed.kernels.vocab_metrics import top_k as top_k
 from jaxembed.plan.cross_entropy import CrossEntropyPlan as CrossEntropyPlan
 from jaxembed.plan.cross_entropy import plan_cross_entropy as plan_cross_entropy
 
-__all__ = ["CrossEntropyPlan", "plan_cross_entropy", "vocab_parallel_cross_entropy"]
+__all__ = [
+    "CrossEntropyPlan",
+    "accuracy",
+    "argmax",
+    "plan_cross_entropy",
+    "top_k",
+    "vocab_parallel_cross_entropy",
+]

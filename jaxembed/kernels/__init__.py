@@ -16,6 +16,8 @@
 * `jaxembed.kernels.tablewise`: a collection's table-wise calls (each feature's ids only to
   the device that holds its table; an optimizer reaches it as a value, `local_update`);
 * `jaxembed.kernels.cross_entropy`: the vocab-parallel cross-entropy's bodies;
+  `jaxembed.kernels.vocab_metrics`: vocab-parallel argmax, top-k and accuracy (no
+  full-vocabulary logits); `jaxembed.kernels.vocab_args`: the arguments both check;
 * `jaxembed.kernels.remap`, `jaxembed.kernels.remap_native`: a dynamic table's remap (raw
   64-bit id to row, admission, eviction), XLA and its C++ twin; `jaxembed.kernels.remap_routed`:
   each id sent to the row shard that owns it, its row sent back;

@@ -6,37 +6,46 @@ plan's layouts and runs two `shard_map`s under one `jax.custom_vjp`: the forward
 log-sum-exp over the chunks of each device's rows, one `all_gather` of the statistics over
 R) and the backward (each chunk of logits recomputed from the saved log-sum-exp). The math
 is in `jaxembed.losses`' docstring; `jaxembed.losses` is the public face.
+
+The body pieces the vocab-parallel metrics (`jaxembed.kernels.vocab_metrics`) share with the
+loss are public here: `chunk_logits` and `softcap_logits` (one chunk of this device's logits,
+capped), `row_start` and `vary`; the arguments' checks, weights and reductions they share are
+in `jaxembed.kernels.vocab_args`.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxembed.ids import as_ids
-from jaxembed.kernels.arrays import (
-    is_explicit,
-    move,
-    normalize_spec,
-    resolve_mesh,
-    spec_of,
-    warn_if_layout_unknown,
+from jaxembed.kernels.arrays import move
+from jaxembed.kernels.vocab_args import (
+    Reduction,
+    check_inputs,
+    check_reduction,
+    check_weights,
+    reduce_tokens,
 )
 from jaxembed.plan.cross_entropy import CrossEntropyPlan, plan_cross_entropy
 
-__all__ = ["Reduction", "vocab_parallel_cross_entropy"]
-
-Reduction = Literal["none", "sum", "mean"]
+__all__ = [
+    "Reduction",
+    "chunk_logits",
+    "row_start",
+    "softcap_logits",
+    "vary",
+    "vocab_parallel_cross_entropy",
+]
 
 
 # --- the shard_map bodies -----------------------------------------------------------------
 
 
-def _vary(x: jax.Array, *refs: jax.Array, drop: tuple[str, ...] = ()) -> jax.Array:
+def vary(x: jax.Array, *refs: jax.Array, drop: tuple[str, ...] = ()) -> jax.Array:
     """`x` typed as varying over the mesh axes `refs` vary over, less `drop` (check_vma)."""
     want = frozenset().union(*(_varying(r) for r in refs)) - set(drop) - _varying(x)
     return jax.lax.pcast(x, tuple(sorted(want)), to="varying") if want else x
@@ -47,22 +56,36 @@ def _varying(x: jax.Array) -> frozenset[str]:
     return frozenset(axis_type.varying) if axis_type is not None else frozenset()
 
 
-def _row_start(plan: CrossEntropyPlan) -> jax.Array | int:
+def row_start(plan: CrossEntropyPlan) -> jax.Array | int:
     """The global row id of this device's first table row."""
     if not plan.row_axes:
         return 0
     return jax.lax.axis_index(plan.row_axes) * plan.rows_per_shard
 
 
-def _chunk_logits(plan: CrossEntropyPlan, h: jax.Array, t: jax.Array, c: jax.Array):
-    """Logits of chunk `c` of this device's rows, their global row ids, and the rows."""
+def chunk_logits(
+    plan: CrossEntropyPlan, h: jax.Array, t: jax.Array, c: jax.Array, z: jax.Array | None = None
+):
+    """Logits of chunk `c` of this device's rows, their global row ids, and the rows. `z`:
+    the chunk's logits already at hand (the forward's, saved: no product, no psum)."""
     size = plan.chunk_rows
     t_c = jax.lax.dynamic_slice_in_dim(t, c * size, size, axis=0)  # f[C, H/K]
-    z = jnp.einsum("th,vh->tv", h, t_c, preferred_element_type=jnp.float32)  # f32[T, C]
-    if plan.hidden_axes:  # each device multiplied its slice of the hidden axis
-        z = jax.lax.psum(z, plan.hidden_axes)
-    rows = _row_start(plan) + c * size + jnp.arange(size)  # i32[C]
+    if z is None:
+        z = jnp.einsum("th,vh->tv", h, t_c, preferred_element_type=jnp.float32)  # f32[T, C]
+        if plan.hidden_axes:  # each device multiplied its slice of the hidden axis
+            z = jax.lax.psum(z, plan.hidden_axes)
+    rows = row_start(plan) + c * size + jnp.arange(size)  # i32[C]
     return z, rows, t_c
+
+
+def softcap_logits(plan: CrossEntropyPlan, z: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """Gemma 2's soft cap `c * tanh(z / c)` of whole logits (after the psum over K), and the
+    `tanh` the backward's chain rule needs (`d capped / dz = 1 - tanh**2`); `z, None` when the
+    plan has no cap."""
+    if plan.softcap is None:
+        return z, None
+    a = jnp.tanh(z / plan.softcap)
+    return plan.softcap * a, a
 
 
 def _target_mass(plan: CrossEntropyPlan, labels: jax.Array) -> jax.Array:
@@ -77,30 +100,45 @@ def _forward_body(plan: CrossEntropyPlan, h: jax.Array, t: jax.Array, labels: ja
     h = h.reshape(-1, h.shape[-1])  # f[T, H/K]
     labels = labels.reshape(-1)  # i32[T]
 
+    # A capped logit is not linear in the rows: its sum (smoothing's) is taken chunk by chunk.
+    capped = plan.softcap is not None
+
     def step(carry, c):  # the online log-sum-exp of this device's rows, chunk by chunk
-        m, s = carry  # f32[T] each
-        z, rows, _ = _chunk_logits(plan, h, t, c)  # f32[T, C]
-        zm = jnp.where(rows[None, :] < plan.vocab_size, z, -jnp.inf)  # padding rows get no mass
+        m, s, z_sum = carry  # f32[T] each
+        z_raw, rows, _ = chunk_logits(plan, h, t, c)  # f32[T, C]
+        z, _ = softcap_logits(plan, z_raw)
+        valid = rows[None, :] < plan.vocab_size  # bool[1, C]: padding rows get no mass
+        zm = jnp.where(valid, z, -jnp.inf)
         m_new = jnp.maximum(m, zm.max(axis=-1))
         shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # all rows so far are padding
         s = s * jnp.exp(m - shift) + jnp.exp(zm - shift[:, None]).sum(axis=-1)
-        return (m_new, s), None
+        if capped and plan.label_smoothing > 0:
+            z_sum = z_sum + jnp.where(valid, z, 0.0).sum(axis=-1)
+        return (m_new, s, z_sum), (z_raw if plan.saves_logits else None)
 
-    zeros = _vary(jnp.zeros(labels.shape, jnp.float32), h, t, labels, drop=plan.hidden_axes)
-    (m, s), _ = jax.lax.scan(step, (zeros - jnp.inf, zeros), jnp.arange(plan.num_chunks))
-    # The label's logit and the sum of the logits are linear in the rows: no [T, C] block.
-    start = _row_start(plan)
+    zeros = vary(jnp.zeros(labels.shape, jnp.float32), h, t, labels, drop=plan.hidden_axes)
+    init = (zeros - jnp.inf, zeros, zeros)
+    (m, s, z_sum), saved = jax.lax.scan(step, init, jnp.arange(plan.num_chunks))
+    # The label's logit (and the uncapped logits' sum) are linear in the rows: no [T, C] block.
+    start = row_start(plan)
     local = labels - start
     own = (local >= 0) & (local < plan.rows_per_shard) & (labels < plan.vocab_size)
     t_label = jnp.take(t, jnp.where(own, local, 0), axis=0, mode="clip")  # f[T, H/K]
     z_label = jnp.where(
         own, jnp.einsum("th,th->t", h, t_label, preferred_element_type=jnp.float32), 0.0
     )
-    real = (start + jnp.arange(plan.rows_per_shard)) < plan.vocab_size  # bool[V/R]
-    row_sum = jnp.einsum("v,vh->h", real.astype(t.dtype), t, preferred_element_type=jnp.float32)
-    z_sum = jnp.einsum("th,h->t", h, row_sum, preferred_element_type=jnp.float32)  # f32[T]
-    if plan.hidden_axes:  # partial over the table's hidden split
+    if not capped:
+        real = (start + jnp.arange(plan.rows_per_shard)) < plan.vocab_size  # bool[V/R]
+        row_sum = jnp.einsum(
+            "v,vh->h", real.astype(t.dtype), t, preferred_element_type=jnp.float32
+        )  # f32[H/K]
+        z_sum = jnp.einsum("th,h->t", h, row_sum, preferred_element_type=jnp.float32)  # f32[T]
+    if plan.hidden_axes and capped:  # partial over the table's hidden split
+        z_label = jax.lax.psum(z_label, plan.hidden_axes)
+    elif plan.hidden_axes:
         z_label, z_sum = jax.lax.psum((z_label, z_sum), plan.hidden_axes)
+    if capped:  # the whole label logit, capped on the shard that owns it
+        z_label = jnp.where(own, softcap_logits(plan, z_label)[0], 0.0)
     if plan.row_axes:  # one collective: every device combines every shard's statistics
         stats = jnp.stack([m, s, z_label, z_sum])  # f32[4, T]
         every = jax.lax.all_gather(stats, plan.row_axes, to="invarying")  # f32[R, 4, T]
@@ -119,13 +157,17 @@ def _forward_body(plan: CrossEntropyPlan, h: jax.Array, t: jax.Array, labels: ja
         loss = loss + plan.z_loss * lse**2
     if plan.ignore_index is not None:
         loss = jnp.where(labels == plan.ignore_index, 0.0, loss)
+    if plan.saves_logits:  # the one chunk's whole logits, for the backward: f32[*tokens/B, V/R]
+        return loss.reshape(tokens), lse.reshape(tokens), saved[0].reshape(*tokens, -1)
     return loss.reshape(tokens), lse.reshape(tokens)  # f32[*tokens/B] twice
 
 
-def _backward_body(plan, h, t, labels, lse, g):
+def _backward_body(plan, h, t, labels, lse, g, saved=None):
     # h: f[*tokens/B, H/K]   t: f[V/R, H/K]   labels: i32[*tokens/B]   lse, g: f32[*tokens/B]
+    # saved: the forward's logits f32[*tokens/B, V/R] when the plan saves them (one chunk)
     h_shape = h.shape
     h = h.reshape(-1, h.shape[-1])  # f[T, H/K]
+    saved = None if saved is None else saved.reshape(h.shape[0], -1)  # f32[T, V/R]
     labels, lse, g = labels.reshape(-1), lse.reshape(-1), g.reshape(-1).astype(jnp.float32)
     if plan.ignore_index is not None:
         g = jnp.where(labels == plan.ignore_index, 0.0, g)
@@ -135,19 +177,22 @@ def _backward_body(plan, h, t, labels, lse, g):
 
     def step(carry, c):
         dh, dt = carry  # f32[T, H/K], f32[V/R, H/K]
-        z, rows, t_c = _chunk_logits(plan, h, t, c)  # f32[T, C]
+        z, rows, t_c = chunk_logits(plan, h, t, c, saved)  # f32[T, C]
+        z, tanh = softcap_logits(plan, z)
         valid = rows[None, :] < plan.vocab_size  # bool[1, C]
         p = jnp.where(valid, jnp.exp(z - lse[:, None]), 0.0)
         target = (1.0 - eps) * (valid & (rows[None, :] == labels[:, None])) + jnp.where(
             valid, eps / plan.vocab_size, 0.0
         )
-        dz = p_coef[:, None] * p - g[:, None] * target  # f32[T, C]
+        dz = p_coef[:, None] * p - g[:, None] * target  # f32[T, C]: d loss / d capped logits
+        if tanh is not None:  # the chain rule through c * tanh(z / c)
+            dz = dz * (1.0 - tanh * tanh)
         dh = dh + dz @ t_c.astype(jnp.float32)
         dt_c = dz.T @ h.astype(jnp.float32)  # f32[C, H/K]
         return (dh, jax.lax.dynamic_update_slice_in_dim(dt, dt_c, c * size, axis=0)), None
 
-    dh = _vary(jnp.zeros(h.shape, jnp.float32), h, t, labels, lse, g)
-    dt = _vary(jnp.zeros(t.shape, jnp.float32), h, t, labels, lse, g)
+    dh = vary(jnp.zeros(h.shape, jnp.float32), h, t, labels, lse, g)
+    dt = vary(jnp.zeros(t.shape, jnp.float32), h, t, labels, lse, g)
     (dh, dt), _ = jax.lax.scan(step, (dh, dt), jnp.arange(plan.num_chunks))
     if plan.row_axes:  # every vocab shard contributed to every token's hidden gradient
         dh = jax.lax.psum(dh, plan.row_axes)
@@ -167,9 +212,12 @@ def _run(body, plan: CrossEntropyPlan, mesh: Any, in_specs, out_specs):
 
 
 def _forward(plan, mesh, hidden, table, labels):
+    """`(loss, lse)`, and the logits block when the plan saves it for the backward."""
     specs = (plan.hidden_spec, plan.weight_spec, plan.tokens_spec)
-    run = _run(_forward_body, plan, mesh, specs, (plan.tokens_spec, plan.tokens_spec))
-    return run(hidden, table, labels)
+    outs = (plan.tokens_spec, plan.tokens_spec)
+    if plan.saves_logits:
+        outs = (*outs, plan.logits_spec)
+    return _run(_forward_body, plan, mesh, specs, outs)(hidden, table, labels)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -178,19 +226,20 @@ def _cross_entropy(plan, mesh, hidden, table, labels):
 
 
 def _cross_entropy_fwd(plan, mesh, hidden, table, labels):
-    loss, lse = _forward(plan, mesh, hidden, table, labels)
-    return loss, (hidden, table, labels, lse)
+    loss, *saved = _forward(plan, mesh, hidden, table, labels)
+    return loss, (hidden, table, labels, *saved)
 
 
 def _cross_entropy_bwd(plan, mesh, residuals, g):
-    hidden, table, labels, lse = residuals
+    hidden, table, labels, *saved = residuals  # lse, and the logits when saved
     g = move(g, mesh, plan.tokens_spec)
     tok = plan.tokens_spec
-    run = _run(
-        _backward_body, plan, mesh, (plan.hidden_spec, plan.weight_spec, tok, tok, tok),
-        (plan.hidden_spec, plan.weight_spec),
-    )  # fmt: skip
-    hidden_grad, table_grad = run(hidden, table, labels, lse, g)
+    in_specs = (plan.hidden_spec, plan.weight_spec, tok, tok, tok)
+    if plan.saves_logits:
+        in_specs = (*in_specs, plan.logits_spec)
+    run = _run(_backward_body, plan, mesh, in_specs, (plan.hidden_spec, plan.weight_spec))
+    lse, *logits = saved
+    hidden_grad, table_grad = run(hidden, table, labels, lse, g, *logits)
     return hidden_grad, table_grad, None
 
 
@@ -208,7 +257,9 @@ def vocab_parallel_cross_entropy(
     vocab_size: int | None = None,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    softcap: float | None = None,
     ignore_index: int | None = None,
+    weights: jax.Array | None = None,
     vocab_chunk_size: int | None = None,
     reduction: Reduction = "none",
     mesh: Any = None,
@@ -220,8 +271,10 @@ def vocab_parallel_cross_entropy(
     Equal, with its gradients for `hidden` and `table`, to
     `optax.softmax_cross_entropy(logits, optax.smooth_labels(one_hot(labels, vocab_size),
     label_smoothing)) + z_loss * logsumexp(logits) ** 2` on the dense logits
-    `hidden @ table[:vocab_size].T`, but no device holds more than `[tokens, V/n]` logits
-    (`[tokens, vocab_chunk_size]` with chunking), nor the table's rows of another device.
+    `hidden @ table[:vocab_size].T` (capped to `softcap * tanh(logits / softcap)` first when
+    `softcap` is given), times `weights`, but no device holds more than `[tokens, V/n]`
+    logits (`[tokens, vocab_chunk_size]` with chunking), nor the table's rows of another
+    device.
 
     Args:
       hidden: `[*tokens, H]`, float32 or bfloat16 (logits accumulate in float32).
@@ -232,11 +285,18 @@ def vocab_parallel_cross_entropy(
         gradient.
       label_smoothing: `eps` in `[0, 1)`: targets `(1 - eps) * one_hot + eps / vocab_size`.
       z_loss: weight of `logsumexp(logits) ** 2` per token (PaLM's z-loss).
+      softcap: Gemma 2's final-logit soft cap `c > 0` (Gemma 2 uses 30.0): the logits
+        become `c * tanh(logits / c)` before the softmax, the smoothing and the z-loss, and
+        the gradients go through the `tanh`. None (default): no cap.
       ignore_index: a label whose token has loss 0 and no gradient (e.g. -100).
+      weights: float `[*tokens]`, a weight per token (e.g. a 0/1 loss mask): the per-token
+        loss is multiplied by it. With `reduction="mean"` the result is the weighted mean
+        `sum(w * loss) / sum(w)` over the tokens not `ignore_index` (both masks apply; 0
+        when those weights sum to 0). Differentiable, like the loss.
       vocab_chunk_size: rows per logits chunk on each device; must divide the rows a device
         holds. Bounds the logits block to `[tokens, vocab_chunk_size]` (default: all rows).
       reduction: `"none"` (per-token loss), `"sum"`, or `"mean"` over tokens whose label is
-        not `ignore_index`.
+        not `ignore_index` (weighted by `weights` when given).
       mesh: the mesh; default `jax.set_mesh`'s, else the arrays' own, else one device.
       hidden_spec, weight_spec: layouts; default read from the arrays (a concrete array's
         sharding, or its type in an Explicit mesh). Under `jit` in an Auto mesh pass both.
@@ -245,9 +305,11 @@ def vocab_parallel_cross_entropy(
       float32 loss: `[*tokens]` laid out like hidden's tokens, or a scalar when reduced.
 
     Raises:
-      TypeError: non-integer labels, a non-float table or hidden.
-      ValueError: mismatched shapes, splits that do not divide, options out of range, a
-        table whose layout differs from `weight_spec` in an Explicit mesh.
+      TypeError: non-integer labels, a non-float table, hidden or weights, a softcap that is
+        not a number.
+      ValueError: mismatched shapes (weights included), splits that do not divide, options
+        out of range (a softcap <= 0), a table whose layout differs from `weight_spec` in an
+        Explicit mesh.
 
     Examples:
       >>> import jax, jax.numpy as jnp, numpy as np, optax
@@ -266,64 +328,35 @@ def vocab_parallel_cross_entropy(
       >>> dense = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
       >>> bool(jnp.allclose(loss, dense, rtol=1e-5))
       True
+
+      Gemma 2's soft cap, and a loss mask as weights (the mean over the kept tokens):
+
+      >>> mask = (labels % 4 != 0).astype(jnp.float32)
+      >>> loss = vocab_parallel_cross_entropy(hidden, table, labels, softcap=5.0,
+      ...                                     weights=mask, reduction="mean")
+      >>> capped = optax.softmax_cross_entropy_with_integer_labels(
+      ...     5.0 * np.tanh(logits / 5.0), labels)
+      >>> bool(jnp.allclose(loss, (capped * mask).sum() / mask.sum(), rtol=1e-5))
+      True
     """
-    hidden = hidden if isinstance(hidden, jax.Array | jax.core.Tracer) else jnp.asarray(hidden)
-    labels = as_ids(labels, "labels")  # any width, checked before it is narrowed
-    for name, a in (("hidden", hidden), ("table", table)):
-        if not jnp.issubdtype(a.dtype, jnp.floating):
-            raise TypeError(f"{name} must be floating point, got {a.dtype}")
-    if jnp.ndim(table) != 2:
-        raise ValueError(f"table must be a 2-D table [vocab, hidden], got shape {table.shape}")
-    if hidden.ndim < 1 or hidden.shape[-1] != table.shape[1] or labels.shape != hidden.shape[:-1]:
-        raise ValueError(
-            f"expected hidden [*tokens, {table.shape[1]}] and labels [*tokens] for a table "
-            f"{table.shape}; got hidden {hidden.shape} and labels {labels.shape}"
-        )
-    if reduction not in ("none", "sum", "mean"):
-        raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
-    mesh = resolve_mesh(mesh, table, hidden)
-    if mesh is not None and mesh.size == 1 and hidden_spec is None and weight_spec is None:
-        mesh = None
-    if mesh is not None:
-        given = spec_of(table, mesh)
-        if weight_spec is None:
-            warn_if_layout_unknown(
-                table,
-                mesh,
-                function="vocab_parallel_cross_entropy",
-                arg="weight_spec",
-                what="table",
-            )
-            weight_spec = given
-        elif is_explicit(mesh) and normalize_spec(given, 2) != normalize_spec(weight_spec, 2):
-            raise ValueError(
-                f"table is laid out as {given} but weight_spec={weight_spec}: the loss never "
-                "moves the table; drop weight_spec, or reshard the table once with "
-                "jax.sharding.reshard(table, weight_spec)"
-            )
-        if hidden_spec is None:
-            warn_if_layout_unknown(
-                hidden,
-                mesh,
-                function="vocab_parallel_cross_entropy",
-                arg="hidden_spec",
-                what="hidden array",
-            )
-            hidden_spec = spec_of(hidden, mesh)
+    function = "vocab_parallel_cross_entropy"
+    hidden, labels, mesh, hidden_spec, weight_spec = check_inputs(
+        function, hidden, table, labels, mesh, hidden_spec, weight_spec
+    )
+    check_reduction(reduction)
+    weights = check_weights(weights, labels.shape)
     plan = plan_cross_entropy(
         mesh, hidden.shape, table.shape, hidden_spec=hidden_spec, weight_spec=weight_spec,
         vocab_size=vocab_size, vocab_chunk_size=vocab_chunk_size,
         label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index,
+        softcap=softcap,
     )  # fmt: skip
     hidden = move(hidden, mesh, plan.hidden_spec)
     labels = move(labels.astype(jnp.int32), mesh, plan.tokens_spec)  # int32 holds them
+    if weights is not None:
+        weights = move(weights, mesh, plan.tokens_spec)
     loss = _cross_entropy(plan, mesh, hidden, table, labels)
-    loss = move(loss, mesh, plan.out_spec)  # a free slice when the tokens were gathered
-    if reduction == "sum":
-        return loss.sum()
-    if reduction == "mean":
-        if ignore_index is None:
-            return loss.mean()
-        count = (labels != ignore_index).sum()
-        return loss.sum() / jnp.maximum(count, 1).astype(jnp.float32)
+    loss = reduce_tokens(loss, labels, weights, ignore_index=plan.ignore_index, reduction=reduction)
+    if reduction == "none":  # a free slice when the tokens were gathered
+        return move(loss, mesh, plan.out_spec)
     return loss

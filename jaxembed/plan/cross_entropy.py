@@ -40,10 +40,12 @@ class CrossEntropyPlan:
       row_axes, hidden_axes, batch_axes: R, K and B (see the module docstring).
       rows_per_shard, chunk_rows: table rows per device, and per logits chunk.
       label_smoothing, z_loss, ignore_index: the loss's options.
+      softcap: the logits' soft cap `c` (`c * tanh(logits / c)`, Gemma 2's), or None.
       forward_rule, grad_rule: the rules' answers the plan was derived from.
 
     Properties give derived values: `num_chunks`, `local_tokens` (tokens per device),
-    `collectives` (`(phase, op, axes, operand)` each) and `logits_block_bytes`. `str(plan)`
+    `collectives` (`(phase, op, axes, operand)` each), `logits_block_bytes`, `saves_logits`
+    (the backward reuses the forward's psummed logits block) and `logits_spec`. `str(plan)`
     prints it as a table.
 
     Examples:
@@ -81,12 +83,31 @@ class CrossEntropyPlan:
     label_smoothing: float
     z_loss: float
     ignore_index: int | None
+    softcap: float | None
     forward_rule: SpmdInfo
     grad_rule: SpmdInfo
 
     @property
     def num_chunks(self) -> int:
         return self.rows_per_shard // self.chunk_rows
+
+    @property
+    def saves_logits(self) -> bool:
+        """Whether the forward keeps its one logits block `f32[T, V/R]` for the backward.
+
+        With the table's hidden axis split (K), the logits are whole only after a psum over
+        K. Unchunked, the backward reuses the forward's block, kept between the passes,
+        rather than psum the same block again (whether XLA would merge the two psums is left
+        to no chance: it did in float32, not in bfloat16). Chunked, each chunk is recomputed
+        and psummed again, so that no more than one chunk lives at a time.
+        """
+        return bool(self.hidden_axes) and self.num_chunks == 1
+
+    @property
+    def logits_spec(self) -> P:
+        """The layout of the logits `[*tokens, V]` (the rule's): tokens over B, vocab over R."""
+        names = [n for n, _ in self.mesh_axes]
+        return layout.to_partition_spec(self.forward_rule.outputs[1].dims_mapping, names)
 
     @property
     def local_tokens(self) -> int:
@@ -103,10 +124,12 @@ class CrossEntropyPlan:
         out = []
         if self.hidden_axes:
             out.append(("forward", "psum", self.hidden_axes, "logits chunk"))
-            out.append(("forward", "psum", self.hidden_axes, "label logit and logit sum"))
+            # A capped logit is not linear in the rows: its sum is taken chunk by chunk.
+            operand = "label logit" if self.softcap is not None else "label logit and logit sum"
+            out.append(("forward", "psum", self.hidden_axes, operand))
         if self.row_axes:
             out.append(("forward", "all_gather", self.row_axes, "softmax statistics"))
-        if self.hidden_axes:
+        if self.hidden_axes and not self.saves_logits:
             out.append(("backward", "psum", self.hidden_axes, "logits chunk"))
         if self.row_axes:
             out.append(("backward", "psum", self.row_axes, "hidden_grad"))
@@ -132,6 +155,7 @@ def plan_cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     ignore_index: int | None = None,
+    softcap: float | None = None,
 ) -> CrossEntropyPlan:
     """Plans a vocab-parallel cross-entropy from the rule `jaxembed.rules.cross_entropy`.
 
@@ -139,7 +163,7 @@ def plan_cross_entropy(
       mesh: a `Mesh` or `AbstractMesh`, or None for one device.
       hidden_shape: `[*tokens, H]`; table_shape: `[V (padded), H]`.
       hidden_spec, weight_spec: the given layouts (None: replicated).
-      vocab_size, vocab_chunk_size, label_smoothing, z_loss, ignore_index: see
+      vocab_size, vocab_chunk_size, label_smoothing, z_loss, ignore_index, softcap: see
         `vocab_parallel_cross_entropy`.
 
     Returns:
@@ -172,6 +196,7 @@ def plan_cross_entropy(
         raise ValueError(f"table must be a 2-D table [vocab, hidden], got shape {table_shape}")
     vocab_size = validate_scalars(table_shape[0], vocab_size, None)
     validate_loss_options(label_smoothing, z_loss, ignore_index, hidden_spec, weight_spec)
+    softcap = validate_softcap(softcap)
     h_dm = layout.to_dims_mapping(hidden_spec, names, len(hidden_shape))
     w_dm = layout.to_dims_mapping(weight_spec, names, 2)
     row_axes, hidden_axes = table_axes(table_shape, w_dm, names, sizes, vocab_size)
@@ -199,6 +224,7 @@ def plan_cross_entropy(
         label_smoothing=float(label_smoothing),
         z_loss=float(z_loss),
         ignore_index=None if ignore_index is None else int(ignore_index),
+        softcap=softcap,
         forward_rule=forward,
         grad_rule=grad,
     )
@@ -217,6 +243,25 @@ def validate_loss_options(label_smoothing, z_loss, ignore_index, hidden_spec, we
     for what, spec in (("hidden_spec", hidden_spec), ("weight_spec", weight_spec)):
         if getattr(spec, "unreduced", None):
             raise ValueError(f"{what}={spec} holds partial sums: reduce it before the loss")
+
+
+def validate_softcap(softcap: Any) -> float | None:
+    """`softcap` as a float, or None; it must be a positive, finite number."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float | np.integer | np.floating):
+        raise TypeError(
+            f"softcap must be a positive float or None, got {softcap!r} "
+            f"({type(softcap).__name__}): pass a Python number such as softcap=30.0 "
+            "(Gemma 2's final-logit cap); it is static, not an array"
+        )
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(
+            f"softcap must be a positive, finite float or None, got {softcap}: logits are "
+            "capped as softcap * tanh(logits / softcap) (Gemma 2 uses softcap=30.0); pass "
+            "softcap=None for no cap"
+        )
+    return float(softcap)
 
 
 def table_axes(table_shape, w_dm, names, sizes, vocab_size) -> tuple[tuple[str, ...], ...]:
