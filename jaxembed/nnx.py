@@ -2,6 +2,8 @@
 
 * `Embed`, `Table`: Flax NNX's `Embed` with the lookup and the tied head sharded
   (`jaxembed.nn.nnx_embed`);
+* `deferred_logits`, `DeferredLogits`, `cross_entropy`: a model whose `__call__` ends in
+  `Embed.attend` trains with the vocab-parallel loss (`jaxembed.nn.common`);
 * `DynamicEmbed`, `RemapState`: a dynamic table for raw 64-bit ids, with admission and
   eviction (`jaxembed.nn.nnx_dynamic`);
 * `EmbeddingBagCollection`: tables and the sparse features that read them
@@ -13,6 +15,9 @@
 See `jaxembed.flax` for the Linen modules.
 """
 
+from jaxembed.nn.deferred import DeferredLogits as DeferredLogits
+from jaxembed.nn.deferred import cross_entropy as cross_entropy
+from jaxembed.nn.deferred import deferred_logits as deferred_logits
 from jaxembed.nn.linen_collection import embed_tables as embed_tables
 from jaxembed.nn.nnx_collection import EmbeddingBagCollection as EmbeddingBagCollection
 from jaxembed.nn.nnx_dynamic import DynamicEmbed as DynamicEmbed
@@ -26,6 +31,7 @@ from jaxembed.training.nnx import value_and_grad as value_and_grad
 
 __all__ = [
     "DENSE",
+    "DeferredLogits",
     "DynamicEmbed",
     "Embed",
     "EmbeddingBagCollection",
@@ -33,6 +39,8 @@ __all__ = [
     "RemapState",
     "SparseOptimizer",
     "Table",
+    "cross_entropy",
+    "deferred_logits",
     "embed_tables",
     "value_and_grad",
 ]

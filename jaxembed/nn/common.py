@@ -5,7 +5,9 @@ Helpers of `jaxembed.nn.nnx_embed`, `jaxembed.nn.linen_embed` and the collection
 * the mesh and the table's `PartitionSpec` as a Flax program states them (`current_mesh`,
   `as_spec`, `check_mesh_names`, `names_mesh_axes`, `batch_hint`);
 * the padded row count of a table and its zero padding rows (`padded_rows`, `pad_rows`);
-* the tied head's logits (`tied_logits`);
+* the tied head's logits (`tied_logits`; their deferred form is `jaxembed.nn.deferred`);
+* a table set from host values, placed as its metadata says (`place_host_table`), and the
+  check that a table is laid out as its metadata says (`check_table_placed`);
 * the exchange option and its deprecated old name, resolved here once (`resolve_exchange`).
 """
 
@@ -18,12 +20,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.core import meta as linen_meta
 from flax.core import spmd as core_spmd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxembed.kernels.arrays import is_explicit
+from jaxembed.kernels.arrays import is_explicit, normalize_spec, stated_spec
 from jaxembed.kernels.lookup import lookup
 
 __all__ = [
@@ -32,12 +35,15 @@ __all__ = [
     "as_spec",
     "batch_hint",
     "check_mesh_names",
+    "check_table_placed",
     "current_mesh",
     "dynamic_rows_lookup",
+    "host_value",
     "names_mesh_axes",
     "out_spec_like_batch",
     "pad_rows",
     "padded_rows",
+    "place_host_table",
     "replicated_on",
     "resolve_exchange",
     "tied_logits",
@@ -154,6 +160,85 @@ def tied_logits(
     if table.shape[0] != num_embeddings:
         logits = logits[..., :num_embeddings]
     return logits
+
+
+# --- tables set from host values ------------------------------------------------------------
+
+
+def host_value(value: Any) -> bool:
+    """Whether a concrete table value is not laid out on a mesh: numpy (what checkpoint loaders
+    return), an array on one device (`jnp.asarray`, a restore without target shardings), or
+    one whole on every device of a mesh (`jnp.asarray` under `jax.set_mesh`)."""
+    if isinstance(value, jax.core.Tracer):
+        return False
+    if isinstance(value, jax.Array):
+        sharding = value.sharding
+        return not isinstance(sharding, NamedSharding) or sharding.is_fully_replicated
+    return isinstance(value, np.ndarray | np.generic)
+
+
+def _concrete_mesh(value: Any, mesh: Any) -> Any:
+    """The concrete mesh to put `value` on: `mesh` if concrete, else `jax.set_mesh`'s, else the
+    one `value` is on, if it has `mesh`'s axis names; None when there is none."""
+    if isinstance(mesh, jax.sharding.Mesh):
+        return mesh
+    candidates = []
+    try:
+        candidates.append(jax.sharding.get_mesh())
+    except ValueError:  # inside a trace: a host value there is the program's to lay out
+        return None
+    sharding = getattr(value, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+        candidates.append(sharding.mesh)
+    for concrete in candidates:
+        if not isinstance(concrete, jax.sharding.Mesh) or concrete.empty:
+            continue
+        if mesh is None or tuple(concrete.axis_names) == tuple(mesh.axis_names):
+            return concrete
+    return None
+
+
+def place_host_table(value: Any, mesh: Any, spec: P | None) -> Any:
+    """A host value (`host_value`) put in `spec` on `mesh`, as Flax places a parameter from its
+    metadata when it creates it; `value` itself when it is placed already, or when no layout
+    or no concrete mesh (the metadata's, `jax.set_mesh`'s, the value's own) says where."""
+    if spec is None or not any(normalize_spec(spec, 2)) or not host_value(value):
+        return value
+    concrete = _concrete_mesh(value, mesh)
+    if concrete is None or concrete.size == 1 or not names_mesh_axes(spec, concrete):
+        return value
+    return jax.device_put(value, NamedSharding(concrete, spec))
+
+
+def check_table_placed(table: Any, mesh: Any, spec: P | None, where: str, fix: str) -> None:
+    """Raises when the table is laid out otherwise than its metadata says (`spec`).
+
+    The kernels never move a table, and would name their own `weight_spec` argument, which a
+    module's user never passed; this names the parameter and the placement that fixes it.
+    Nothing to check where the layout cannot be seen (a traced table in an Auto mesh).
+    """
+    if spec is None or mesh is None or mesh.size == 1:
+        return
+    given = stated_spec(table, mesh)
+    if given is None or normalize_spec(given, 2) == normalize_spec(spec, 2):
+        return
+    if any(normalize_spec(given, 2)):
+        why = "It was placed or resharded otherwise after it was created"
+    else:
+        given = f"{given} (whole on every device)"
+        why = (
+            "A table set from host values (numpy, as checkpoint loaders return) has no layout "
+            "of its own, and jit lays it out whole on every device; Flax places a parameter "
+            "from its metadata only when it creates it"
+        )
+    raise ValueError(
+        f"{where}: the parameter `embedding` is laid out as {given}, but its sharding metadata "
+        f"says {spec} (mesh axes {dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))}). "
+        f"{why}, and jaxembed never moves a table. Place it once, before the jitted step: {fix}"
+    )
+
+
+# --- deferred logits: the tied head's loss for a model whose __call__ ends in attend --------
 
 
 def resolve_exchange(exchange: str, gradient_exchange: str | None, where: str) -> str:

@@ -5,7 +5,9 @@ shape, initializer and rng stream, so that on one device the outputs are Linen's
 a Linen checkpoint loads. The table's layout is Linen's own metadata: the `nn.Partitioned` box
 of `embedding_init=nn.with_partitioning(init, ("model", None))`, or the
 `nn.LogicallyPartitioned` box of `nn.with_logical_partitioning(init, ("vocab", "embed"))`
-resolved through `nn.logical_axis_rules`. See `jaxembed.nnx` for the NNX module.
+resolved through `nn.logical_axis_rules`. Inside `jaxembed.flax.deferred_logits()`, `attend`
+returns a handle to the vocab-parallel loss (`jaxembed.nn.deferred.DeferredLogits`) for models
+whose `__call__` ends in `attend`. See `jaxembed.nnx` for the NNX module.
 """
 
 from __future__ import annotations
@@ -29,13 +31,16 @@ from jaxembed.nn.common import (
     as_spec,
     batch_hint,
     check_mesh_names,
+    check_table_placed,
     current_mesh,
     names_mesh_axes,
     pad_rows,
     padded_rows,
+    place_host_table,
     resolve_exchange,
     tied_logits,
 )
+from jaxembed.nn.deferred import DeferredLogits, deferring
 
 __all__ = ["Embed"]
 
@@ -61,6 +66,14 @@ _LINEN_TABLE_ADVICE = (
     "jaxembed.flax.Embed an embedding_init wrapped in nn.with_partitioning(init, "
     "('model', None))"
 )
+
+
+def _placement_fix(spec: P | None) -> str:
+    return (
+        f"jax.device_put(table, NamedSharding(mesh, {spec})) where the table goes into the "
+        "params, or, for variables that keep their partitioning boxes, "
+        "jax.device_put(variables, nn.get_sharding(variables, mesh))"
+    )
 
 
 def _names(box: Any) -> tuple[Any, ...] | None:
@@ -219,6 +232,19 @@ class Embed(nn.Module):
         check_mesh_names(spec, mesh, "the table's sharding")
         return mesh, spec
 
+    def _placed_table(self) -> tuple[jax.Array, Any, P | None]:
+        """The parameter's value in the layout its box states, and that layout.
+
+        A host value (numpy, as checkpoint loaders return) is put there first, on every call
+        (a Linen module keeps no state: place the params once for a loop of eager calls); a
+        table laid out otherwise (under `jit`, where it cannot be placed) is an error that
+        names the placement to make.
+        """
+        mesh, spec = self.table_layout()
+        table = place_host_table(self.embedding, mesh, spec)
+        check_table_placed(table, mesh, spec, "jaxembed.flax.Embed", _placement_fix(spec))
+        return table, mesh, spec
+
     def __call__(
         self, inputs: jax.Array, *, out_sharding: Any = None, inputs_sharding: Any = None
     ) -> jax.Array:
@@ -241,8 +267,8 @@ class Embed(nn.Module):
                 f"Input type must be an integer or unsigned integer, got {inputs.dtype}: cast "
                 "the ids with inputs.astype(jnp.int32)"
             )
-        (table,) = self.promote_dtype(self.embedding, dtype=self.dtype, inexact=False)
-        mesh, spec = self.table_layout()
+        table, mesh, spec = self._placed_table()
+        (table,) = self.promote_dtype(table, dtype=self.dtype, inexact=False)
         recording = tape.active() is not None
         static = dict(
             padding_idx=self.padding_idx, vocab_size=self.num_embeddings, mesh=mesh,
@@ -255,8 +281,12 @@ class Embed(nn.Module):
         )  # fmt: skip
         return tape.tap(self, "/".join(self.path), "embed", out, (inputs,), static)
 
-    def attend(self, query: jax.Array, *, out_sharding: Any = None) -> jax.Array:
+    def attend(self, query: jax.Array, *, out_sharding: Any = None) -> jax.Array | DeferredLogits:
         """Logits `query @ embedding.T` over the real rows (the tied output head).
+
+        Inside `jaxembed.flax.deferred_logits()` it returns a `DeferredLogits` handle instead,
+        whose `cross_entropy(labels)` is the vocab-parallel loss of these logits (see
+        `jaxembed.nnx.Embed.attend`).
 
         Args:
           query: `[*batch, features]`.
@@ -264,11 +294,22 @@ class Embed(nn.Module):
             axes with the vocab axis whole; otherwise left to XLA, as in Linen.
 
         Returns:
-          `[*batch, num_embeddings]`.
+          `[*batch, num_embeddings]`; inside `deferred_logits()`, a `DeferredLogits` of that
+          shape.
         """
         tape.refuse_dense_use(self, "jaxembed.flax.Embed.attend")
-        query, table = self.promote_dtype(query, self.embedding, dtype=self.dtype)
-        return tied_logits(query, table, self.num_embeddings, self.table_layout()[0], out_sharding)
+        deferral = deferring()
+        if deferral is None:
+            query, table = self.promote_dtype(query, self.embedding, dtype=self.dtype)
+            mesh = self.table_layout()[0]
+            return tied_logits(query, table, self.num_embeddings, mesh, out_sharding)
+        table, mesh, spec = self._placed_table()
+        query, table = self.promote_dtype(query, table, dtype=self.dtype)
+        return DeferredLogits(
+            query, table, vocab_size=self.num_embeddings, mesh=mesh, weight_spec=spec,
+            query_sharding=deferral.query_sharding, out_sharding=out_sharding,
+            where="jaxembed.flax.Embed.attend",
+        )  # fmt: skip
 
     def cross_entropy(
         self,
@@ -281,6 +322,7 @@ class Embed(nn.Module):
         vocab_chunk_size: int | None = None,
         reduction: Reduction = "none",
         query_sharding: Any = None,
+        **options: Any,
     ) -> jax.Array:
         """Softmax cross-entropy of `attend(query)` against labels, vocab-parallel.
 
@@ -293,16 +335,17 @@ class Embed(nn.Module):
           label_smoothing, z_loss, ignore_index, vocab_chunk_size, reduction: see
             `vocab_parallel_cross_entropy`.
           query_sharding: the query's layout; needed under `jit` in an Auto mesh.
+          **options: further keywords of `vocab_parallel_cross_entropy`, passed through.
 
         Returns:
           float32 per-token losses `[*tokens]`, or a scalar when reduced.
         """
         tape.refuse_dense_use(self, "jaxembed.flax.Embed.cross_entropy")
-        query, table = self.promote_dtype(query, self.embedding, dtype=self.dtype)
-        mesh, spec = self.table_layout()
+        table, mesh, spec = self._placed_table()
+        query, table = self.promote_dtype(query, table, dtype=self.dtype)
         return vocab_parallel_cross_entropy(
             query, table, labels, vocab_size=self.num_embeddings, mesh=mesh,
             hidden_spec=as_spec(query_sharding), weight_spec=spec,
             label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index,
-            vocab_chunk_size=vocab_chunk_size, reduction=reduction,
+            vocab_chunk_size=vocab_chunk_size, reduction=reduction, **options,
         )  # fmt: skip

@@ -7,7 +7,9 @@ are Flax's exactly and a Flax checkpoint loads. The table's layout is Flax's own
 `embedding_metadata={"out_sharding": ...}`, with logical names resolved through
 `flax.linen.logical_axis_rules`. The lookup runs `jaxembed.embedding` on that layout (the table
 never moves); `cross_entropy` is the tied head's vocab-parallel loss
-(`jaxembed.losses.vocab_parallel_cross_entropy`), which never builds full-vocabulary logits.
+(`jaxembed.losses.vocab_parallel_cross_entropy`), which never builds full-vocabulary logits,
+and inside `jaxembed.nnx.deferred_logits()` `attend` returns a handle to that loss
+(`jaxembed.nn.deferred.DeferredLogits`) for models whose `__call__` ends in `attend`.
 
 The helpers it shares with the Linen module (`jaxembed.nn.linen_embed`) are in
 `jaxembed.nn.common`.
@@ -27,6 +29,7 @@ from flax.core import spmd as core_spmd
 from flax.nnx.nn import dtypes
 from flax.nnx.nn.linear import default_embed_init
 from flax.nnx.variablelib import VariableMetadata
+from flax.typing import MISSING
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -38,13 +41,17 @@ from jaxembed.nn.common import (
     as_spec,
     batch_hint,
     check_mesh_names,
+    check_table_placed,
     current_mesh,
+    host_value,
     names_mesh_axes,
     pad_rows,
     padded_rows,
+    place_host_table,
     resolve_exchange,
     tied_logits,
 )
+from jaxembed.nn.deferred import DeferredLogits, deferring
 
 __all__ = ["Embed", "Table"]
 
@@ -79,12 +86,46 @@ def metadata_mesh(metadata: Mapping[str, Any]) -> Any:
 class Table(nnx.Param):
     """An embedding table parameter (an `nnx.Param`, so optax, `nnx.Optimizer` and orbax treat
     it as any parameter): jaxembed's row-sparse optimizers update it, and
-    `jaxembed.nnx.value_and_grad` leaves it out of the dense gradients."""
+    `jaxembed.nnx.value_and_grad` leaves it out of the dense gradients.
+
+    A value set from the host (numpy, as checkpoint loaders return) by `.value = ...`,
+    `set_value` or `nnx.update` is put in the layout its sharding metadata states, once, as
+    Flax places a parameter when it creates it, wherever the mesh is known then (the
+    metadata's, or `jax.set_mesh`'s); otherwise the module places it when first called
+    outside `jit`.
+    """
+
+    def set_value(self, value: Any, *, index: Any = MISSING) -> None:
+        super().set_value(value, index=index)
+        self._place_host_value()
+
+    def update_from_state(self, variable_state: Any) -> None:
+        super().update_from_state(variable_state)
+        self._place_host_value()
+
+    def _place_host_value(self) -> None:
+        value = self.get_raw_value()
+        if host_value(value):
+            metadata = self.get_metadata()
+            if metadata.get("ref") or metadata.get("hijax"):  # a reference: not ours to move
+                return
+            placed = place_host_table(value, metadata_mesh(metadata), metadata_spec(metadata))
+            if placed is not value:
+                self.set_raw_value(placed, _unsafe_bypass_check=True)
 
 
 class QuantizedStack(nnx.Variable):
     """A serving copy's quantized table (`jaxembed.QuantizedTable`): not an `nnx.Param`, so no
     optimizer or gradient filter treats it as trainable (`EmbeddingBagCollection.quantized`)."""
+
+
+def _placement_fix(spec: P | None) -> str:
+    return (
+        f"embed.embedding.set_value(jax.device_put(value, NamedSharding(mesh, {spec}))), or, "
+        "for a whole model, nnx.update(model, jax.device_put(nnx.state(model), "
+        "nnx.get_named_sharding(nnx.state(model), mesh))); or call it once under "
+        "jax.set_mesh(mesh) outside jit, which places it"
+    )
 
 
 _NNX_TABLE_ADVICE = (
@@ -136,6 +177,11 @@ class Embed(nnx.Module):
       gradient_exchange: deprecated, the old name of `exchange`.
       rngs: the rngs; the table is drawn from `rngs.params()`, as in Flax.
       embedding_metadata: metadata of the parameter, e.g. `{"out_sharding": ("model", None)}`.
+      param_type: the parameter's `nnx.Variable` type: `jaxembed.nnx.Table` (default), which
+        `jaxembed.nnx.DENSE` leaves to the row-sparse optimizers, or `nnx.Param`, Flax's own,
+        for a table trained with optax with the rest (a tied head): then `nnx.state` of this
+        module and of a `flax.nnx.Embed` map together (`jax.tree.map` compares the Variable
+        types), and `jaxembed.nnx.value_and_grad` refuses it.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -169,8 +215,14 @@ class Embed(nnx.Module):
         gradient_exchange: str | None = None,
         rngs: nnx.Rngs,
         embedding_metadata: Mapping[str, Any] = MappingProxyType({}),
+        param_type: type[nnx.Param] = Table,
     ):
         exchange = resolve_exchange(exchange, gradient_exchange, "jaxembed.nnx.Embed")
+        if not (isinstance(param_type, type) and issubclass(param_type, nnx.Param)):
+            raise TypeError(
+                f"param_type must be an nnx.Param subclass (jaxembed.nnx.Table or nnx.Param), "
+                f"got {param_type!r}"
+            )
         if padding_idx is not None and not 0 <= padding_idx < num_embeddings:
             raise ValueError(
                 f"padding_idx must be in [0, {num_embeddings}) (the vocabulary), got {padding_idx}"
@@ -189,7 +241,7 @@ class Embed(nnx.Module):
             value = dataclasses.replace(value, raw_value=pad_rows(value.raw_value, rows))
         else:
             value = pad_rows(value, rows)
-        self.embedding = Table(value, **embedding_metadata)
+        self.embedding = param_type(value, **embedding_metadata)
 
         self.num_embeddings = num_embeddings
         self.features = features
@@ -215,6 +267,24 @@ class Embed(nnx.Module):
         check_mesh_names(spec, mesh, "the table's sharding")
         return mesh, spec
 
+    def _placed_table(self) -> tuple[jax.Array, Any, P | None]:
+        """The parameter's value, in the layout its metadata states, and that layout.
+
+        A host value (numpy, set after construction, e.g. by a checkpoint loader) is put
+        there first, once, and kept (`Table` does so when it is set, where the mesh is known
+        then). A table laid out otherwise (under `jit`, where it cannot be placed) is an
+        error that names the placement to make.
+        """
+        mesh, spec = self.table_layout()
+        value = self.embedding.get_raw_value()
+        if host_value(value):
+            placed = place_host_table(value, mesh, spec)
+            if placed is not value:
+                self.embedding.set_raw_value(placed)
+        table = self.embedding[...]
+        check_table_placed(table, mesh, spec, "jaxembed.nnx.Embed", _placement_fix(spec))
+        return table, mesh, spec
+
     def __call__(
         self, inputs: jax.Array, out_sharding: Any = None, *, inputs_sharding: Any = None
     ) -> jax.Array:
@@ -238,8 +308,15 @@ class Embed(nnx.Module):
                 f"Input type must be an integer or unsigned integer, got {inputs.dtype}: cast "
                 "the ids with inputs.astype(jnp.int32)"
             )
-        (table,) = self.promote_dtype((self.embedding[...],), dtype=self.dtype, inexact=False)
-        mesh, spec = self.table_layout()
+        if tape.active() is not None and not isinstance(self.embedding, Table):
+            raise ValueError(
+                "jaxembed.nnx.Embed(param_type=nnx.Param): the table is a plain nnx.Param, "
+                "which jaxembed.nnx.DENSE gives to optax, so jaxembed.nnx.value_and_grad cannot "
+                "train it row-sparse: build the module with param_type=jaxembed.nnx.Table (the "
+                "default), or train it with nnx.value_and_grad and optax"
+            )
+        table, mesh, spec = self._placed_table()
+        (table,) = self.promote_dtype((table,), dtype=self.dtype, inexact=False)
         recording = tape.active() is not None
         static = dict(
             padding_idx=self.padding_idx, vocab_size=self.num_embeddings, mesh=mesh,
@@ -252,11 +329,13 @@ class Embed(nnx.Module):
         )  # fmt: skip
         return tape.tap(self, "embed", "embed", out, (inputs,), static)
 
-    def attend(self, query: jax.Array, out_sharding: Any = None) -> jax.Array:
+    def attend(self, query: jax.Array, out_sharding: Any = None) -> jax.Array | DeferredLogits:
         """Logits `query @ embedding.T` over the real rows (the tied output head).
 
         The logits of the whole vocabulary materialize: for training, `cross_entropy` gives
-        the loss without them.
+        the loss without them; so does a model that ends in `attend` when called inside
+        `jaxembed.nnx.deferred_logits()`, where `attend` returns a `DeferredLogits` handle
+        whose `cross_entropy(labels)` is that loss.
 
         Args:
           query: `[*batch, features]`.
@@ -265,11 +344,22 @@ class Embed(nnx.Module):
             otherwise left to XLA, as in Flax.
 
         Returns:
-          `[*batch, num_embeddings]`.
+          `[*batch, num_embeddings]`; inside `deferred_logits()`, a `DeferredLogits` of that
+          shape.
         """
         tape.refuse_dense_use(self, "jaxembed.nnx.Embed.attend")
-        query, table = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
-        return tied_logits(query, table, self.num_embeddings, self.table_layout()[0], out_sharding)
+        deferral = deferring()
+        if deferral is None:
+            query, table = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
+            mesh = self.table_layout()[0]
+            return tied_logits(query, table, self.num_embeddings, mesh, out_sharding)
+        table, mesh, spec = self._placed_table()
+        query, table = self.promote_dtype((query, table), dtype=self.dtype)
+        return DeferredLogits(
+            query, table, vocab_size=self.num_embeddings, mesh=mesh, weight_spec=spec,
+            query_sharding=deferral.query_sharding, out_sharding=out_sharding,
+            where="jaxembed.nnx.Embed.attend",
+        )  # fmt: skip
 
     def cross_entropy(
         self,
@@ -282,6 +372,7 @@ class Embed(nnx.Module):
         vocab_chunk_size: int | None = None,
         reduction: Reduction = "none",
         query_sharding: Any = None,
+        **options: Any,
     ) -> jax.Array:
         """Softmax cross-entropy of `attend(query)` against labels, vocab-parallel.
 
@@ -295,16 +386,17 @@ class Embed(nnx.Module):
           label_smoothing, z_loss, ignore_index, vocab_chunk_size, reduction: see
             `vocab_parallel_cross_entropy`.
           query_sharding: the query's layout; needed under `jit` in an Auto mesh.
+          **options: further keywords of `vocab_parallel_cross_entropy`, passed through.
 
         Returns:
           float32 per-token losses `[*tokens]`, or a scalar when reduced.
         """
         tape.refuse_dense_use(self, "jaxembed.nnx.Embed.cross_entropy")
-        query, table = self.promote_dtype((query, self.embedding[...]), dtype=self.dtype)
-        mesh, spec = self.table_layout()
+        table, mesh, spec = self._placed_table()
+        query, table = self.promote_dtype((query, table), dtype=self.dtype)
         return vocab_parallel_cross_entropy(
             query, table, labels, vocab_size=self.num_embeddings, mesh=mesh,
             hidden_spec=as_spec(query_sharding), weight_spec=spec,
             label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index,
-            vocab_chunk_size=vocab_chunk_size, reduction=reduction,
+            vocab_chunk_size=vocab_chunk_size, reduction=reduction, **options,
         )  # fmt: skip
