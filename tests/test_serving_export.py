@@ -474,3 +474,34 @@ def test_a_dynamic_table_serves_raw_ids_without_jaxembed(exported, reloaded):
     admitted = rows < 32
     assert 0 < admitted.sum() < len(rows)  # some ids have rows, some read zeros
     assert not admitted[-20:].any()  # the ids never seen
+
+
+def test_a_linen_collection_at_its_defaults_exports_for_every_batch():
+    """The Linen collection (its `apply` on the variables `init` made), exported as written:
+    no custom call, one artifact for every batch size, equal to `apply` here."""
+    import jaxembed.flax
+
+    tables = [jaxembed.TableConfig("t0", V, H), jaxembed.TableConfig("t1", V, H)]
+    features = [jaxembed.FeatureConfig("f0", "t0", combiner="mean"),
+                jaxembed.FeatureConfig("f1", "t1")]  # fmt: skip
+    model = jaxembed.flax.EmbeddingBagCollection(tables, features)
+    example = {"f0": jnp.zeros((2, L), jnp.int32), "f1": jnp.zeros((2,), jnp.int32)}
+    variables = model.init(jax.random.key(0), example)
+
+    def serve(variables, ids0, ids1):
+        out = model.apply(variables, {"f0": ids0, "f1": ids1})
+        return {"f0": out["f0"], "f1": out["f1"]}
+
+    (b,) = jax.export.symbolic_shape("b")
+    artifact = serving.export_inference(
+        serve, variables, jax.ShapeDtypeStruct((b, L), jnp.int32),
+        jax.ShapeDtypeStruct((b,), jnp.int32),
+    )  # fmt: skip
+    assert artifact.native_targets == ()
+    for n in (1, 9):
+        rng = np.random.default_rng(n)
+        ids0 = jnp.asarray(rng.integers(-1, V, (n, L)), jnp.int32)
+        ids1 = jnp.asarray(rng.integers(0, V, (n,)), jnp.int32)
+        got, want = artifact(ids0, ids1), serve(variables, ids0, ids1)
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6)
