@@ -68,6 +68,13 @@
 #else
 #define JAXEMBED_QUANT_AVX512 0
 #endif
+// Without AVX-512, AVX2 (with FMA and F16C) decodes the integer formats 8 values at a time
+// for the pooled sum and the gather; fp8 and max pooling go one value at a time there.
+#if !JAXEMBED_QUANT_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define JAXEMBED_QUANT_AVX2 1
+#else
+#define JAXEMBED_QUANT_AVX2 0
+#endif
 
 // Inlined always: a function holding only prefetches that GCC does not inline is taken for one
 // without side effects and its calls are deleted (seen with GCC 12); the per-slot bodies must
@@ -214,6 +221,46 @@ struct QuantRows {
       return std::fma(static_cast<float>(code), s, b);
     }
   }
+
+#if JAXEMBED_QUANT_AVX2
+  static constexpr bool kVector8 = P != Precision::kFp8;
+
+  // A row's scale and bias broadcast to 8 lanes (float16 widened: exact, as the scalar path).
+  struct Decoder8 {
+    __m256 s, b;
+  };
+  static JAXEMBED_INLINE __m256 Broadcast8(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(*p)));
+  }
+  static JAXEMBED_INLINE __m256 Broadcast8(const float* p) { return _mm256_set1_ps(*p); }
+  JAXEMBED_INLINE Decoder8 Decoder8Of(int64_t r) const {
+    return {Broadcast8(scale + r), Broadcast8(bias + r)};
+  }
+
+  // Values [c, c + 8) of a row (c a multiple of 8): fma(code, s, b), rounded once as `Value`
+  // (bitwise the scalar path). int8: 8 bytes; int4: a 32-bit word, lane l its bits 4l..4l+3;
+  // int2: a 16-bit word, lane l its bits 2l, 2l+1.
+  JAXEMBED_INLINE __m256 Vector8(const uint8_t* row, int64_t c, const Decoder8& d) const {
+    __m256i code;
+    if constexpr (P == Precision::kInt8) {
+      code = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c)));
+    } else if constexpr (P == Precision::kInt4) {
+      uint32_t word;
+      std::memcpy(&word, row + c / 2, sizeof(word));
+      code = _mm256_and_si256(
+          _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)),
+                            _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+          _mm256_set1_epi32(15));
+    } else {
+      uint16_t word;
+      std::memcpy(&word, row + c / 4, sizeof(word));
+      code = _mm256_and_si256(
+          _mm256_srlv_epi32(_mm256_set1_epi32(word), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+          _mm256_set1_epi32(3));
+    }
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), d.s, d.b);
+  }
+#endif
 
 #if JAXEMBED_QUANT_AVX512
   // What a row's values need, in registers: int8 its scale and bias; int4 and int2 the
@@ -473,14 +520,21 @@ void GatherQuantRows(const Rows& rows, const int32_t* local, const bool* valid, 
       }
       const int64_t r = ClampRow(local[i], R);
       const uint8_t* row = rows.Row(r);
+      int64_t done = vec;
 #if JAXEMBED_QUANT_AVX512
       const auto dec = rows.DecoderOf(r);
       for (int64_t c = 0; c < vec; c += kLanes) _mm512_storeu_ps(o + c, rows.Vector(row, c, dec));
+#elif JAXEMBED_QUANT_AVX2
+      if constexpr (Rows::kVector8) {
+        const auto dec = rows.Decoder8Of(r);
+        done = H / 8 * 8;
+        for (int64_t c = 0; c < done; c += 8) _mm256_storeu_ps(o + c, rows.Vector8(row, c, dec));
+      }
 #endif
-      if (vec == H) continue;
+      if (done == H) continue;
       float s, b;
       rows.Params(r, &s, &b);
-      for (int64_t h = vec; h < H; ++h) o[h] = rows.Value(row, h, s, b);
+      for (int64_t h = done; h < H; ++h) o[h] = rows.Value(row, h, s, b);
     }
   });
 }
@@ -765,6 +819,48 @@ void SumBag(const Rows& rows, const int32_t* local, const float* weights, int64_
     first = false;
   };
   ForEachBlock(vec, block);
+#elif JAXEMBED_QUANT_AVX2
+  if constexpr (Rows::kVector8) {  // columns in blocks of up to 64 (8 registers), as above
+    auto block8 = [&](auto nv_tag) {
+      constexpr int NV = decltype(nv_tag)::value;
+      __m256 acc[NV];
+      for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
+      visit(first, [&](int64_t i) JAXEMBED_INLINE {
+        const int64_t r = ClampRow(local[i], R);
+        const uint8_t* row = rows.Row(r);
+        const auto dec = rows.Decoder8Of(r);
+        const float w = kUnitWeights ? 1.0f : weights[i];
+        if (kUnitWeights || w == 1.0f) {
+          for (int j = 0; j < NV; ++j) {
+            acc[j] = _mm256_add_ps(acc[j], rows.Vector8(row, c + j * 8, dec));
+          }
+        } else {
+          const __m256 wv = _mm256_set1_ps(w);
+          for (int j = 0; j < NV; ++j) {
+            acc[j] = _mm256_add_ps(acc[j], _mm256_mul_ps(rows.Vector8(row, c + j * 8, dec), wv));
+          }
+        }
+      });
+      for (int j = 0; j < NV; ++j) _mm256_storeu_ps(dst + c + j * 8, acc[j]);
+      c += NV * 8;
+      first = false;
+    };
+    for (int64_t left = H / 8; left > 0;) {
+      if (left >= 8) {
+        block8(std::integral_constant<int, 8>{});
+        left -= 8;
+      } else if (left >= 4) {
+        block8(std::integral_constant<int, 4>{});
+        left -= 4;
+      } else if (left >= 2) {
+        block8(std::integral_constant<int, 2>{});
+        left -= 2;
+      } else {
+        block8(std::integral_constant<int, 1>{});
+        left -= 1;
+      }
+    }
+  }
 #endif
   if (c == H) return;
   std::fill(dst + c, dst + H, 0.0f);
