@@ -142,7 +142,8 @@ def check(layout, dtype, options, seed=0):
         labels[labels == IGNORE] = 7
     args = _put(layout, h, t, labels, weights, ct, dtype)
     loss, dh, dt = _program(layout, dtype, tuple(sorted(options.items())))(*args)
-    ref_options = {k: v for k, v in options.items() if k != "vocab_chunk_size"}
+    plan_only = ("vocab_chunk_size", "table_move")
+    ref_options = {k: v for k, v in options.items() if k not in plan_only}
     with_weights = ref_options.pop("with_weights", False)
     ref_loss, ref_dh, ref_dt = reference(h, t, labels, weights if with_weights else None, ct,
                                          ref_options)  # fmt: skip
@@ -182,24 +183,29 @@ ISSUE_LAYOUT = "fsdp2xtensor4-table-tensor-fsdp"
     ("options", "chunk"),
     [
         ({"softcap": CAP}, 4),
-        ({"softcap": CAP}, None),  # the forward's logits block serves the backward
-        ({"softcap": CAP, "label_smoothing": 0.2}, 4),  # the capped logits' sum, per chunk
+        # the forward's logits block serves the backward (the logits-psum move, forced)
+        ({"softcap": CAP, "table_move": "none"}, None),
+        ({"softcap": CAP, "label_smoothing": 0.2, "table_move": "none"}, 4),  # per chunk
+        ({"softcap": CAP, "label_smoothing": 0.2, "table_move": "gather"}, 4),
         ({"with_weights": True, "reduction": "mean"}, None),
         ({"with_weights": True, "reduction": "mean", "ignore_index": IGNORE}, 4),
     ],
-    ids=["softcap", "softcap-whole", "softcap-smoothing", "weights-mean-whole",
-         "weights-mean-ignore"],
+    ids=["softcap", "softcap-whole", "softcap-smoothing", "softcap-smoothing-gather",
+         "weights-mean-whole", "weights-mean-ignore"],
 )  # fmt: skip
 def test_each_option_alone_matches_float64(options, chunk):
     check(ISSUE_LAYOUT, jnp.float32, dict(options, vocab_chunk_size=chunk))
 
 
 @pytest.mark.parametrize(
-    ("layout", "dtype"), [(ISSUE_LAYOUT, jnp.float32), ("fsdp8-hidden", jnp.bfloat16)]
-)
-def test_all_options_together_unchunked(layout, dtype):
-    """Unchunked with the hidden axis split, the backward reuses the forward's logits."""
-    check(layout, dtype, dict(COMBINED, with_weights=True))
+    ("layout", "dtype", "move"),
+    [(ISSUE_LAYOUT, jnp.float32, "none"), (ISSUE_LAYOUT, jnp.bfloat16, "gather"),
+     ("fsdp8-hidden", jnp.bfloat16, "none")],
+)  # fmt: skip
+def test_all_options_together_unchunked(layout, dtype, move):
+    """Unchunked with the hidden axis split, the backward reuses the forward's logits (the
+    logits-psum move), or the forward's gathered table (the weight-gathering move)."""
+    check(layout, dtype, dict(COMBINED, with_weights=True, vocab_chunk_size=None, table_move=move))
 
 
 def test_weights_of_ones_change_nothing_and_mean_is_weighted():
@@ -237,7 +243,8 @@ def test_softcap_plan_collectives():
     capped logits' sum comes whole from each chunk."""
     mesh = _mesh(ISSUE_LAYOUT)
     plan = plan_cross_entropy(mesh, (*TOKENS, HIDDEN), (ROWS, HIDDEN), hidden_spec=P("fsdp"),
-                              weight_spec=P("tensor", "fsdp"), softcap=30.0)  # fmt: skip
+                              weight_spec=P("tensor", "fsdp"), softcap=30.0,
+                              table_move="none")  # fmt: skip
     assert plan.softcap == 30.0 and (plan.row_axes, plan.hidden_axes) == (("tensor",), ("fsdp",))
     assert ("forward", "psum", ("fsdp",), "label logit") in plan.collectives
 
@@ -254,7 +261,7 @@ def wire_bytes(dtype, chunk, mesh, shapes=((4, 64, 64), (2048, 64))):
                            strict=True)
     ]  # fmt: skip
     f = lambda h, t, y: vocab_parallel_cross_entropy(
-        h, t, y, reduction="mean", vocab_chunk_size=chunk, softcap=30.0
+        h, t, y, reduction="mean", vocab_chunk_size=chunk, softcap=30.0, table_move="none"
     )
     text = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(*args).compile().as_text()
     return hlo.total_wire_bytes(text), hlo.collectives(text)
@@ -265,7 +272,8 @@ def test_bfloat16_sends_no_more_bytes_than_float32():
     logits are float32 in both programs and psummed over fsdp once (the backward reuses the
     forward's block); hidden and its gradient travel in their own dtype (float32 on CPU, which
     carries bfloat16 collectives as float32). The issue measured bfloat16 at twice float32:
-    XLA had merged the forward's and the backward's psum in float32 only."""
+    XLA had merged the forward's and the backward's psum in float32 only. The logits-psum
+    move is forced (`table_move="none"`): it is the one that psums logits."""
     mesh = _mesh(ISSUE_LAYOUT)
     f32, f32_ops = wire_bytes(jnp.float32, None, mesh)
     bf16, bf16_ops = wire_bytes(jnp.bfloat16, None, mesh)

@@ -384,6 +384,13 @@ def arrays():
     [
         ({"vocab_chunk_size": 5}, ValueError,
          r"vocab_chunk_size=5 does not divide the 16 table rows each device holds .*such as 4 or 8"),
+        ({"vocab_chunk_size": "big"}, ValueError,
+         r"vocab_chunk_size must be 'auto', None or an int, got 'big'"),
+        ({"table_move": "scatter"}, ValueError,
+         r"table_move must be 'auto', 'gather' or 'none', got 'scatter'"),
+        ({"table_move": "gather"}, ValueError,
+         r"table_move='gather' needs .*the table's hidden axis is not split.*table_move='none'"),
+        ({"memory_target": 0}, ValueError, r"memory_target must be a positive number of bytes"),
         ({"label_smoothing": 1.0}, ValueError, r"label_smoothing must be in \[0, 1\), got 1.0"),
         ({"z_loss": -1.0}, ValueError, r"z_loss must be >= 0, got -1.0"),
         ({"vocab_size": 65}, ValueError, r"vocab_size must be in \[1, 64\]"),

@@ -72,8 +72,8 @@ def chunk_logits(
     t_c = jax.lax.dynamic_slice_in_dim(t, c * size, size, axis=0)  # f[C, H/K]
     if z is None:
         z = jnp.einsum("th,vh->tv", h, t_c, preferred_element_type=jnp.float32)  # f32[T, C]
-        if plan.hidden_axes:  # each device multiplied its slice of the hidden axis
-            z = jax.lax.psum(z, plan.hidden_axes)
+        if plan.partial_axes:  # each device multiplied its slice of the hidden axis
+            z = jax.lax.psum(z, plan.partial_axes)
     rows = row_start(plan) + c * size + jnp.arange(size)  # i32[C]
     return z, rows, t_c
 
@@ -94,8 +94,19 @@ def _target_mass(plan: CrossEntropyPlan, labels: jax.Array) -> jax.Array:
     return jnp.where(in_vocab, 1.0, plan.label_smoothing)
 
 
+def gather_table(plan: CrossEntropyPlan, t: jax.Array) -> jax.Array:
+    """The table's shard whole over its hidden axis when the plan gathers it (FSDP's
+    weight gather): f[V/R, H/K] -> f[V/R, H]; else `t` as it is."""
+    if not plan.gathered_axes:
+        return t
+    # invarying: the same whole shard on every device of K, kept for the backward as it is
+    return jax.lax.all_gather(t, plan.gathered_axes, axis=1, tiled=True, to="invarying")
+
+
 def _forward_body(plan: CrossEntropyPlan, h: jax.Array, t: jax.Array, labels: jax.Array):
     # h: f[*tokens/B, H/K]   t: f[V/R, H/K]   labels: i32[*tokens/B]
+    # (K: the table's hidden axes the body leaves split; none when it gathers the table)
+    t = gather_table(plan, t)
     tokens = labels.shape
     h = h.reshape(-1, h.shape[-1])  # f[T, H/K]
     labels = labels.reshape(-1)  # i32[T]
@@ -116,7 +127,7 @@ def _forward_body(plan: CrossEntropyPlan, h: jax.Array, t: jax.Array, labels: ja
             z_sum = z_sum + jnp.where(valid, z, 0.0).sum(axis=-1)
         return (m_new, s, z_sum), (z_raw if plan.saves_logits else None)
 
-    zeros = vary(jnp.zeros(labels.shape, jnp.float32), h, t, labels, drop=plan.hidden_axes)
+    zeros = vary(jnp.zeros(labels.shape, jnp.float32), h, t, labels, drop=plan.partial_axes)
     init = (zeros - jnp.inf, zeros, zeros)
     (m, s, z_sum), saved = jax.lax.scan(step, init, jnp.arange(plan.num_chunks))
     # The label's logit (and the uncapped logits' sum) are linear in the rows: no [T, C] block.
@@ -133,10 +144,10 @@ def _forward_body(plan: CrossEntropyPlan, h: jax.Array, t: jax.Array, labels: ja
             "v,vh->h", real.astype(t.dtype), t, preferred_element_type=jnp.float32
         )  # f32[H/K]
         z_sum = jnp.einsum("th,h->t", h, row_sum, preferred_element_type=jnp.float32)  # f32[T]
-    if plan.hidden_axes and capped:  # partial over the table's hidden split
-        z_label = jax.lax.psum(z_label, plan.hidden_axes)
-    elif plan.hidden_axes:
-        z_label, z_sum = jax.lax.psum((z_label, z_sum), plan.hidden_axes)
+    if plan.partial_axes and capped:  # partial over the table's hidden split
+        z_label = jax.lax.psum(z_label, plan.partial_axes)
+    elif plan.partial_axes:
+        z_label, z_sum = jax.lax.psum((z_label, z_sum), plan.partial_axes)
     if capped:  # the whole label logit, capped on the shard that owns it
         z_label = jnp.where(own, softcap_logits(plan, z_label)[0], 0.0)
     if plan.row_axes:  # one collective: every device combines every shard's statistics
@@ -157,14 +168,18 @@ def _forward_body(plan: CrossEntropyPlan, h: jax.Array, t: jax.Array, labels: ja
         loss = loss + plan.z_loss * lse**2
     if plan.ignore_index is not None:
         loss = jnp.where(labels == plan.ignore_index, 0.0, loss)
+    out = (loss.reshape(tokens), lse.reshape(tokens))  # f32[*tokens/B] twice
     if plan.saves_logits:  # the one chunk's whole logits, for the backward: f32[*tokens/B, V/R]
-        return loss.reshape(tokens), lse.reshape(tokens), saved[0].reshape(*tokens, -1)
-    return loss.reshape(tokens), lse.reshape(tokens)  # f32[*tokens/B] twice
+        out = (*out, saved[0].reshape(*tokens, -1))
+    if plan.gathered_axes:  # the gathered table f[V/R, H], for the backward: no second gather
+        out = (*out, t)
+    return out
 
 
 def _backward_body(plan, h, t, labels, lse, g, saved=None):
     # h: f[*tokens/B, H/K]   t: f[V/R, H/K]   labels: i32[*tokens/B]   lse, g: f32[*tokens/B]
     # saved: the forward's logits f32[*tokens/B, V/R] when the plan saves them (one chunk)
+    # t: the forward's gathered f[V/R, H] when the plan gathers the table (K none here)
     h_shape = h.shape
     h = h.reshape(-1, h.shape[-1])  # f[T, H/K]
     saved = None if saved is None else saved.reshape(h.shape[0], -1)  # f32[T, V/R]
@@ -196,8 +211,11 @@ def _backward_body(plan, h, t, labels, lse, g, saved=None):
     (dh, dt), _ = jax.lax.scan(step, (dh, dt), jnp.arange(plan.num_chunks))
     if plan.row_axes:  # every vocab shard contributed to every token's hidden gradient
         dh = jax.lax.psum(dh, plan.row_axes)
-    if plan.batch_axes:  # every token shard contributed to the table's gradient
-        dt = jax.lax.psum(dt, plan.batch_axes)
+    if plan.gathered_axes:  # summed over the token shards of K and split back over K
+        dt = jax.lax.psum_scatter(dt, plan.gathered_axes, scatter_dimension=1, tiled=True)
+    rest = tuple(a for a in plan.batch_axes if a not in plan.gathered_axes)
+    if rest:  # every token shard contributed to the table's gradient
+        dt = jax.lax.psum(dt, rest)
     return dh.reshape(h_shape).astype(h.dtype), dt.astype(t.dtype)
 
 
@@ -217,6 +235,8 @@ def _forward(plan, mesh, hidden, table, labels):
     outs = (plan.tokens_spec, plan.tokens_spec)
     if plan.saves_logits:
         outs = (*outs, plan.logits_spec)
+    if plan.gathered_axes:
+        outs = (*outs, plan.body_table_spec)
     return _run(_forward_body, plan, mesh, specs, outs)(hidden, table, labels)
 
 
@@ -227,6 +247,8 @@ def _cross_entropy(plan, mesh, hidden, table, labels):
 
 def _cross_entropy_fwd(plan, mesh, hidden, table, labels):
     loss, *saved = _forward(plan, mesh, hidden, table, labels)
+    if plan.gathered_axes:  # the gathered table stands in for the table
+        *saved, table = saved
     return loss, (hidden, table, labels, *saved)
 
 
@@ -234,7 +256,7 @@ def _cross_entropy_bwd(plan, mesh, residuals, g):
     hidden, table, labels, *saved = residuals  # lse, and the logits when saved
     g = move(g, mesh, plan.tokens_spec)
     tok = plan.tokens_spec
-    in_specs = (plan.hidden_spec, plan.weight_spec, tok, tok, tok)
+    in_specs = (plan.hidden_spec, plan.body_table_spec, tok, tok, tok)
     if plan.saves_logits:
         in_specs = (*in_specs, plan.logits_spec)
     run = _run(_backward_body, plan, mesh, in_specs, (plan.hidden_spec, plan.weight_spec))
@@ -260,11 +282,13 @@ def vocab_parallel_cross_entropy(
     softcap: float | None = None,
     ignore_index: int | None = None,
     weights: jax.Array | None = None,
-    vocab_chunk_size: int | None = None,
+    vocab_chunk_size: int | str | None = "auto",
     reduction: Reduction = "none",
     mesh: Any = None,
     hidden_spec: P | None = None,
     weight_spec: P | None = None,
+    table_move: str = "auto",
+    memory_target: int | None = None,
 ) -> jax.Array:
     """Softmax cross-entropy of `hidden @ table.T` against integer labels, vocab-parallel.
 
@@ -294,12 +318,22 @@ def vocab_parallel_cross_entropy(
         `sum(w * loss) / sum(w)` over the tokens not `ignore_index` (both masks apply; 0
         when those weights sum to 0). Differentiable, like the loss.
       vocab_chunk_size: rows per logits chunk on each device; must divide the rows a device
-        holds. Bounds the logits block to `[tokens, vocab_chunk_size]` (default: all rows).
+        holds. Bounds the logits block to `[tokens, vocab_chunk_size]`. `"auto"` (default):
+        the largest divisor of the rows per device whose float32 block fits
+        `memory_target`; None: all rows in one block.
       reduction: `"none"` (per-token loss), `"sum"`, or `"mean"` over tokens whose label is
         not `ignore_index` (weighted by `weights` when given).
       mesh: the mesh; default `jax.set_mesh`'s, else the arrays' own, else one device.
       hidden_spec, weight_spec: layouts; default read from the arrays (a concrete array's
         sharding, or its type in an Explicit mesh). Under `jit` in an Auto mesh pass both.
+      table_move: with the table's hidden axis split over axes that also split the tokens
+        (FSDP), `"gather"` all-gathers the table's shard over them once (the forward's is
+        kept for the backward) and reduce-scatters its gradient back, the tokens staying split;
+        `"none"` runs every token on every device of those axes and psums each logits block
+        over them; `"auto"` (default) takes the one that sends fewer bytes
+        (`plan_cross_entropy` prints both).
+      memory_target: bytes of one float32 logits block per device for `"auto"` chunks
+        (default 64 MiB).
 
     Returns:
       float32 loss: `[*tokens]` laid out like hidden's tokens, or a scalar when reduced.
@@ -349,7 +383,8 @@ def vocab_parallel_cross_entropy(
         mesh, hidden.shape, table.shape, hidden_spec=hidden_spec, weight_spec=weight_spec,
         vocab_size=vocab_size, vocab_chunk_size=vocab_chunk_size,
         label_smoothing=label_smoothing, z_loss=z_loss, ignore_index=ignore_index,
-        softcap=softcap,
+        softcap=softcap, table_move=table_move, memory_target=memory_target,
+        dtype=hidden.dtype, table_dtype=table.dtype,
     )  # fmt: skip
     hidden = move(hidden, mesh, plan.hidden_spec)
     labels = move(labels.astype(jnp.int32), mesh, plan.tokens_spec)  # int32 holds them

@@ -100,7 +100,7 @@ def _top_k_tokens(function, hidden, table, labels, k, *, vocab_size, softcap,
     plan = plan_cross_entropy(
         mesh, hidden.shape, table.shape, hidden_spec=hidden_spec, weight_spec=weight_spec,
         vocab_size=vocab_size, vocab_chunk_size=vocab_chunk_size, softcap=softcap,
-        ignore_index=ignore_index,
+        ignore_index=ignore_index, table_move="none",  # the metrics' bodies psum over K
     )  # fmt: skip
     k = _check_k(k, plan.vocab_size)
     hidden = move(jax.lax.stop_gradient(hidden), mesh, plan.hidden_spec)

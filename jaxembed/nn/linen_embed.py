@@ -319,7 +319,7 @@ class Embed(nn.Module):
         label_smoothing: float = 0.0,
         z_loss: float = 0.0,
         ignore_index: int | None = None,
-        vocab_chunk_size: int | None = None,
+        vocab_chunk_size: int | str | None = "auto",
         reduction: Reduction = "none",
         query_sharding: Any = None,
         **options: Any,

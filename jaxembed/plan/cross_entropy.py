@@ -6,6 +6,14 @@ the logits chunks and every collective; the kernels (`jaxembed.kernels.cross_ent
 execute the plan. With R the mesh axes splitting the table's rows, K its hidden axis and B
 the tokens: the forward all-gathers each token's softmax statistics over R, the backward
 sums the hidden gradient over R and the table's over B (see `jaxembed.losses`).
+
+With K split, two moves are priced in ring-model wire bytes (`jaxembed.plan.cost`) and peak
+memory: `"none"` runs every token on every device of K and psums each logits chunk over K;
+`"gather"` (FSDP's weight gather, offered when the tokens stay split over K) all-gathers the
+table's shard over K once in the forward, keeps it for the backward, and reduce-scatters the
+table's gradient back over K, so that no logits cross K. The plan takes the cheaper (or the
+one asked for) and keeps the other's price. Chunks are `"auto"` by default: the largest
+divisor of the rows per device whose float32 logits block fits a memory target (64 MiB).
 """
 
 from __future__ import annotations
@@ -18,11 +26,14 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxembed import layout
+from jaxembed.plan.cost import ring_wire_bytes
 from jaxembed.plan.specs import validate_scalars
 from jaxembed.rules.cross_entropy import cross_entropy_forward, cross_entropy_grad
 from jaxembed.rules.engine import DistSpec, SpmdInfo
 
 __all__ = ["CrossEntropyPlan", "plan_cross_entropy"]
+
+DEFAULT_MEMORY_TARGET = 64 * 2**20  # one f32 logits block per device, for "auto" chunks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +52,20 @@ class CrossEntropyPlan:
       rows_per_shard, chunk_rows: table rows per device, and per logits chunk.
       label_smoothing, z_loss, ignore_index: the loss's options.
       softcap: the logits' soft cap `c` (`c * tanh(logits / c)`, Gemma 2's), or None.
-      forward_rule, grad_rule: the rules' answers the plan was derived from.
+      forward_rule, grad_rule: the rules' answers the plan was derived from (for `"gather"`,
+        on the table as the bodies see it: its hidden axis whole).
+      table_move: `"none"` or `"gather"` (see the module docstring).
+      dtype, table_dtype: of hidden and of the table, for the bytes.
+      memory_target: the bytes `"auto"` chunks keep one float32 logits block under.
+      chunk_reason, move_reason: why these chunks, and why this move.
+      alternatives: `(move, wire_bytes, peak_bytes)` of every move priced.
 
     Properties give derived values: `num_chunks`, `local_tokens` (tokens per device),
-    `collectives` (`(phase, op, axes, operand)` each), `logits_block_bytes`, `saves_logits`
-    (the backward reuses the forward's psummed logits block) and `logits_spec`. `str(plan)`
-    prints it as a table.
+    `collectives` (`(phase, op, axes, operand)` each), `priced_collectives` (with their
+    bytes), `wire_bytes`, `peak_bytes`, `logits_block_bytes`, `saves_logits` (the backward
+    reuses the forward's psummed logits block), `gathered_axes`, `partial_axes` (the axes the
+    bodies' logits are partial over), `body_table_spec` and `logits_spec`. `str(plan)` prints
+    it as a table.
 
     Examples:
       >>> import jax
@@ -61,9 +80,10 @@ class CrossEntropyPlan:
       >>> print(plan)
       CrossEntropyPlan  mesh: data=2 x model=4
       ...
-        forward  all_gather  model           softmax statistics
-        backward psum        model           hidden_grad
-        backward psum        data            table_grad
+        forward  all_gather   model           softmax statistics                0.02 MiB
+        backward psum         model           hidden_grad                       0.19 MiB
+        backward psum         data            table_grad                        4.00 MiB
+        total wire bytes per device and step 4.21 MiB
     """
 
     mesh_axes: tuple[tuple[str, int], ...]
@@ -86,6 +106,30 @@ class CrossEntropyPlan:
     softcap: float | None
     forward_rule: SpmdInfo
     grad_rule: SpmdInfo
+    table_move: str = "none"
+    dtype: str = "float32"
+    table_dtype: str = "float32"
+    memory_target: int = DEFAULT_MEMORY_TARGET
+    chunk_reason: str = ""
+    move_reason: str = ""
+    alternatives: tuple[tuple[str, float, int], ...] = ()
+
+    @property
+    def gathered_axes(self) -> tuple[str, ...]:
+        """The table's hidden axes K all-gathered in the body (the weight-gathering move)."""
+        return self.hidden_axes if self.table_move == "gather" else ()
+
+    @property
+    def partial_axes(self) -> tuple[str, ...]:
+        """The axes the body's logits are partial over: K, unless the table is gathered."""
+        return () if self.table_move == "gather" else self.hidden_axes
+
+    @property
+    def body_table_spec(self) -> P:
+        """The table as the loss's bodies multiply it: `weight_spec`, or `P(R, None)` gathered."""
+        if not self.gathered_axes:
+            return self.weight_spec
+        return P(*tuple(self.weight_spec)[:1], None)
 
     @property
     def num_chunks(self) -> int:
@@ -101,7 +145,7 @@ class CrossEntropyPlan:
         to no chance: it did in float32, not in bfloat16). Chunked, each chunk is recomputed
         and psummed again, so that no more than one chunk lives at a time.
         """
-        return bool(self.hidden_axes) and self.num_chunks == 1
+        return bool(self.partial_axes) and self.num_chunks == 1
 
     @property
     def logits_spec(self) -> P:
@@ -121,21 +165,26 @@ class CrossEntropyPlan:
     @property
     def collectives(self) -> tuple[tuple[str, str, tuple[str, ...], str], ...]:
         """`(phase, op, axes, operand)` of every collective, in order (per chunk once)."""
-        out = []
-        if self.hidden_axes:
-            out.append(("forward", "psum", self.hidden_axes, "logits chunk"))
-            # A capped logit is not linear in the rows: its sum is taken chunk by chunk.
-            operand = "label logit" if self.softcap is not None else "label logit and logit sum"
-            out.append(("forward", "psum", self.hidden_axes, operand))
-        if self.row_axes:
-            out.append(("forward", "all_gather", self.row_axes, "softmax statistics"))
-        if self.hidden_axes and not self.saves_logits:
-            out.append(("backward", "psum", self.hidden_axes, "logits chunk"))
-        if self.row_axes:
-            out.append(("backward", "psum", self.row_axes, "hidden_grad"))
-        if self.batch_axes:
-            out.append(("backward", "psum", self.batch_axes, "table_grad"))
-        return tuple(out)
+        return tuple(c[:4] for c in self.priced_collectives)
+
+    @property
+    def priced_collectives(self) -> tuple[tuple[str, str, tuple[str, ...], str, float], ...]:
+        """`(phase, op, axes, operand, wire_bytes)`: the collectives with their ring-model
+        bytes per device and step, a chunked collective's bytes times the chunks."""
+        return tuple(_priced_collectives(self))
+
+    @property
+    def wire_bytes(self) -> float:
+        """Ring-model bytes each device sends in one step (forward and backward)."""
+        return float(sum(c[4] for c in self.priced_collectives))
+
+    @property
+    def peak_bytes(self) -> int:
+        """The loss's own largest buffers per device: the logits block (twice when the
+        forward's is saved for the backward) and the gathered table shard `[V/R, H]`."""
+        blocks = self.logits_block_bytes * (2 if self.saves_logits else 1)
+        gathered = self.rows_per_shard * self.table_shape[1] * _itemsize(self.table_dtype)
+        return blocks + (gathered if self.gathered_axes else 0)
 
     @property
     def logits_block_bytes(self) -> int:
@@ -151,27 +200,45 @@ def plan_cross_entropy(
     hidden_spec: Any = None,
     weight_spec: Any = None,
     vocab_size: int | None = None,
-    vocab_chunk_size: int | None = None,
+    vocab_chunk_size: int | str | None = "auto",
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     ignore_index: int | None = None,
     softcap: float | None = None,
+    table_move: str = "auto",
+    memory_target: int | None = None,
+    dtype: Any = "float32",
+    table_dtype: Any = None,
 ) -> CrossEntropyPlan:
     """Plans a vocab-parallel cross-entropy from the rule `jaxembed.rules.cross_entropy`.
+
+    With the table's hidden axis split (K), two moves are priced: `"none"` runs every token
+    on every device of K and psums each logits block over K; `"gather"` (offered when the
+    tokens stay split over K, FSDP's layout) all-gathers the table's shard over K in the
+    forward and again in the backward, and reduce-scatters the table's gradient back over
+    K. `"auto"` takes the one that sends fewer ring-model bytes (ties: less memory); the
+    plan keeps the alternatives (`alternatives`, `move_reason`).
 
     Args:
       mesh: a `Mesh` or `AbstractMesh`, or None for one device.
       hidden_shape: `[*tokens, H]`; table_shape: `[V (padded), H]`.
       hidden_spec, weight_spec: the given layouts (None: replicated).
-      vocab_size, vocab_chunk_size, label_smoothing, z_loss, ignore_index, softcap: see
+      vocab_size, label_smoothing, z_loss, ignore_index, softcap: see
         `vocab_parallel_cross_entropy`.
+      vocab_chunk_size: rows per logits chunk; `"auto"` (default): the largest divisor of
+        the rows per device whose f32 logits block fits `memory_target`; None: all rows.
+      table_move: `"auto"`, `"gather"` or `"none"` (see above).
+      memory_target: bytes of one f32 logits block per device for `"auto"` chunks
+        (default 64 MiB).
+      dtype, table_dtype: of hidden and of the table (default: hidden's), for the bytes.
 
     Returns:
       A `CrossEntropyPlan`.
 
     Raises:
       ValueError: a split that does not divide, a chunk that does not divide the rows a
-        device holds, options out of range, mismatched shapes.
+        device holds, options out of range, mismatched shapes, `table_move="gather"` where
+        the tokens cannot stay split over the table's hidden axes.
 
     Examples:
       >>> import jax
@@ -194,40 +261,186 @@ def plan_cross_entropy(
     table_shape = tuple(int(d) for d in table_shape)
     if len(table_shape) != 2:
         raise ValueError(f"table must be a 2-D table [vocab, hidden], got shape {table_shape}")
+    if table_move not in ("auto", "gather", "none"):
+        raise ValueError(f"table_move must be 'auto', 'gather' or 'none', got {table_move!r}")
     vocab_size = validate_scalars(table_shape[0], vocab_size, None)
     validate_loss_options(label_smoothing, z_loss, ignore_index, hidden_spec, weight_spec)
     softcap = validate_softcap(softcap)
+    target = DEFAULT_MEMORY_TARGET if memory_target is None else int(memory_target)
+    if target < 1:
+        raise ValueError(f"memory_target must be a positive number of bytes, got {memory_target}")
     h_dm = layout.to_dims_mapping(hidden_spec, names, len(hidden_shape))
     w_dm = layout.to_dims_mapping(weight_spec, names, 2)
     row_axes, hidden_axes = table_axes(table_shape, w_dm, names, sizes, vocab_size)
-    forward = cross_entropy_forward(DistSpec(hidden_shape, h_dm), DistSpec(table_shape, w_dm))
-    grad = cross_entropy_grad(DistSpec(hidden_shape, h_dm), DistSpec(table_shape, w_dm))
-    hidden_k = forward.inputs[0]
-    loss = forward.outputs[0]
     rows = table_shape[0] // math.prod(sizes[a] for a in row_axes)
-    chunk = chunk_rows(rows, vocab_chunk_size, table_shape, row_axes)
-    return CrossEntropyPlan(
+    common = dict(
         mesh_axes=tuple(sizes.items()),
         hidden_shape=hidden_shape,
-        table_shape=table_shape,  # type: ignore[arg-type]
+        table_shape=table_shape,
         vocab_size=int(vocab_size),
         given_hidden_spec=layout.to_partition_spec(h_dm, names),
-        hidden_spec=layout.to_partition_spec(hidden_k.dims_mapping, names),
         weight_spec=layout.to_partition_spec(w_dm, names),
-        tokens_spec=layout.to_partition_spec(loss.dims_mapping, names),
         out_spec=layout.to_partition_spec(h_dm[:-1], names),
         row_axes=row_axes,
         hidden_axes=hidden_axes,
-        batch_axes=tuple(names[a] for a in sorted(grad.outputs[1].partial_dims)),
         rows_per_shard=rows,
-        chunk_rows=chunk,
         label_smoothing=float(label_smoothing),
         z_loss=float(z_loss),
         ignore_index=None if ignore_index is None else int(ignore_index),
         softcap=softcap,
-        forward_rule=forward,
-        grad_rule=grad,
+        dtype=np.dtype(dtype).name,
+        table_dtype=np.dtype(dtype if table_dtype is None else table_dtype).name,
+        memory_target=target,
     )
+    plans, refused = {}, ""
+    for move in ("none", "gather"):
+        # The gathered table is, to the rule, a table whose hidden axis is whole.
+        body_w = w_dm if move == "none" else (w_dm[0], -1)
+        forward = cross_entropy_forward(DistSpec(hidden_shape, h_dm), DistSpec(table_shape, body_w))
+        grad = cross_entropy_grad(DistSpec(hidden_shape, h_dm), DistSpec(table_shape, body_w))
+        batch = tuple(names[a] for a in sorted(grad.outputs[1].partial_dims))
+        if move == "gather":
+            missing = [a for a in hidden_axes if a not in batch]
+            if not hidden_axes or missing:
+                refused = (
+                    "the table's hidden axis is not split: there is nothing to gather"
+                    if not hidden_axes
+                    else f"the tokens are not split over {tuple(missing)} (gathering the "
+                    "table there would not make each device's share of the work smaller)"
+                )
+                continue
+        partial = dataclasses.replace(
+            _EMPTY, **common, hidden_spec=layout.to_partition_spec(
+                forward.inputs[0].dims_mapping, names),
+            tokens_spec=layout.to_partition_spec(forward.outputs[0].dims_mapping, names),
+            batch_axes=batch, chunk_rows=rows, forward_rule=forward, grad_rule=grad,
+            table_move=move,
+        )  # fmt: skip
+        chunk, why = chunk_rows(rows, vocab_chunk_size, table_shape, row_axes,
+                                tokens=partial.local_tokens, target=target)  # fmt: skip
+        plans[move] = dataclasses.replace(partial, chunk_rows=chunk, chunk_reason=why)
+    if table_move == "gather" and "gather" not in plans:
+        raise ValueError(
+            f"table_move='gather' needs the tokens split over the table's hidden axes, but "
+            f"{refused}: hidden {common['given_hidden_spec']}, table "
+            f"{common['weight_spec']}; "
+            + (f"split hidden's tokens over {hidden_axes}, or " if hidden_axes else "")
+            + "pass table_move='none' (or 'auto')"
+        )
+    costs = {m: (p.wire_bytes, p.peak_bytes) for m, p in plans.items()}
+    pick = table_move if table_move != "auto" else min(costs, key=lambda m: costs[m])
+    alternatives = tuple((m, float(costs[m][0]), int(costs[m][1])) for m in plans)
+    if table_move != "auto":
+        why = f"table_move={table_move!r} given"
+    elif len(plans) == 1:
+        why = f"the only move: no weight gather ({refused})"
+    else:
+        other = "none" if pick == "gather" else "gather"
+        why = (
+            f"fewest bytes: {format_mib(costs[pick][0])} against {format_mib(costs[other][0])} "
+            f"for {other!r}"
+        )
+    return dataclasses.replace(plans[pick], move_reason=why, alternatives=alternatives)
+
+
+def format_mib(n: float) -> str:
+    """Bytes in MiB, two decimals: `1.50 MiB`."""
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _itemsize(dtype: str) -> int:
+    return np.dtype(dtype).itemsize
+
+
+def _priced_collectives(plan: CrossEntropyPlan):
+    """The plan's collectives with their ring-model bytes (see `CrossEntropyPlan`)."""
+    sizes = dict(plan.mesh_axes)
+    n = lambda axes: math.prod(sizes[a] for a in axes)
+    t, rows, h = plan.local_tokens, plan.rows_per_shard, plan.table_shape[1]
+    h_body = h // n(plan.partial_axes)  # the hidden width the body multiplies
+    f32, t_item, h_item = 4, _itemsize(plan.table_dtype), _itemsize(plan.dtype)
+    out = []
+    move = _hidden_move(plan)
+    if move is not None:  # a reshard XLA writes as it likes: priced as a gather, an estimate
+        op, axes, result = move
+        operand = "hidden" if op == "all_gather" else "hidden (estimate)"
+        out.append(("forward", op, axes, operand,
+                    ring_wire_bytes("all-gather", n(axes), result * h_item)))  # fmt: skip
+    tokens_moved = _tokens_move(plan)
+    if tokens_moved:  # labels (int32) go where the tokens run
+        out.append(("forward", "all_gather", tokens_moved, "labels",
+                    ring_wire_bytes("all-gather", n(tokens_moved), t * 4)))  # fmt: skip
+    gathered = plan.gathered_axes
+    table_block = rows * h * t_item  # the gathered shard f[V/R, H], kept for the backward
+    if gathered:
+        out.append(("forward", "all_gather", gathered, "table shard",
+                    ring_wire_bytes("all-gather", n(gathered), table_block)))  # fmt: skip
+    k = plan.partial_axes
+    chunk = ring_wire_bytes("all-reduce", n(k), t * plan.chunk_rows * f32) * plan.num_chunks
+    if k:
+        out.append(("forward", "psum", k, "logits chunk", chunk))
+        # A capped logit is not linear in the rows: its sum is taken chunk by chunk.
+        capped = plan.softcap is not None
+        operand = "label logit" if capped else "label logit and logit sum"
+        stats = (1 if capped else 2) * t * f32  # f32[T] once or twice
+        out.append(("forward", "psum", k, operand, ring_wire_bytes("all-reduce", n(k), stats)))
+    r = plan.row_axes
+    if r:
+        out.append(("forward", "all_gather", r, "softmax statistics",
+                    ring_wire_bytes("all-gather", n(r), n(r) * 4 * t * f32)))  # fmt: skip
+    if tokens_moved:  # a per-token cotangent (reduction="none") goes where the tokens run
+        out.append(("backward", "all_gather", tokens_moved, "loss cotangent",
+                    ring_wire_bytes("all-gather", n(tokens_moved), t * f32)))  # fmt: skip
+    if k and not plan.saves_logits:
+        out.append(("backward", "psum", k, "logits chunk", chunk))
+    if r:
+        out.append(("backward", "psum", r, "hidden_grad",
+                    ring_wire_bytes("all-reduce", n(r), t * h_body * f32)))  # fmt: skip
+    grad_block = rows * (h // n(plan.hidden_axes)) * f32  # the table's own shard, f32
+    if gathered:
+        out.append(("backward", "psum_scatter", gathered, "table_grad",
+                    ring_wire_bytes("reduce-scatter", n(gathered), grad_block)))  # fmt: skip
+    rest = tuple(a for a in plan.batch_axes if a not in gathered)
+    if rest:
+        out.append(("backward", "psum", rest, "table_grad",
+                    ring_wire_bytes("all-reduce", n(rest), grad_block)))  # fmt: skip
+    if move is not None and move[0] != "all_gather":  # hidden_grad back: more than a slice
+        out.append(("backward", move[0], move[1], "hidden_grad (estimate)",
+                    ring_wire_bytes("all-gather", n(move[1]), move[2] * h_item)))  # fmt: skip
+    return out
+
+
+def _tokens_move(plan: CrossEntropyPlan) -> tuple[str, ...]:
+    """The mesh axes the tokens give up between hidden's given layout and the kernel's."""
+    names = [a for a, _ in plan.mesh_axes]
+    ndim = len(plan.hidden_shape) - 1
+    given = layout.to_dims_mapping(plan.out_spec, names, ndim)
+    kernel = layout.to_dims_mapping(plan.tokens_spec, names, ndim)
+    dropped = set()
+    for g, k in zip(given, kernel, strict=True):
+        dropped |= set(layout.entry_mesh_axes(g)) - set(layout.entry_mesh_axes(k))
+    return tuple(names[a] for a in sorted(dropped))
+
+
+def _hidden_move(plan: CrossEntropyPlan):
+    """`(op, axes, result elements)` of moving `hidden` from its given layout into the
+    kernel's (None when it is already there or only sliced): an all-gather over the axes it
+    drops, or a "reshard" when it also takes new ones (the hidden axis over K)."""
+    names = [a for a, _ in plan.mesh_axes]
+    sizes = dict(plan.mesh_axes)
+    ndim = len(plan.hidden_shape)
+    given = layout.to_dims_mapping(plan.given_hidden_spec, names, ndim)
+    kernel = layout.to_dims_mapping(plan.hidden_spec, names, ndim)
+    g_axes = [set(layout.entry_mesh_axes(e)) for e in given]
+    k_axes = [set(layout.entry_mesh_axes(e)) for e in kernel]
+    dropped = set().union(*(g - k for g, k in zip(g_axes, k_axes, strict=True)))
+    added = set().union(*(k - g for g, k in zip(g_axes, k_axes, strict=True)))
+    if not dropped:
+        return None
+    axes = tuple(names[a] for a in sorted(dropped))
+    split = math.prod(math.prod(sizes[names[a]] for a in k) for k in k_axes)
+    result = math.prod(plan.hidden_shape) // split
+    return ("reshard" if added else "all_gather"), axes, result
 
 
 def validate_loss_options(label_smoothing, z_loss, ignore_index, hidden_spec, weight_spec):
@@ -286,8 +499,31 @@ def table_axes(table_shape, w_dm, names, sizes, vocab_size) -> tuple[tuple[str, 
     return row_axes, hidden_axes
 
 
-def chunk_rows(rows: int, vocab_chunk_size, table_shape, row_axes) -> int:
-    """The rows of one logits chunk: all `rows` a device holds, or a divisor of them."""
+def chunk_rows(
+    rows: int,
+    vocab_chunk_size,
+    table_shape,
+    row_axes,
+    *,
+    tokens: int = 1,
+    target: int = DEFAULT_MEMORY_TARGET,
+) -> tuple[int, str]:
+    """The rows of one logits chunk (all `rows` a device holds, or a divisor of them), and
+    why: `"auto"` takes the largest divisor whose f32 block `[tokens, chunk]` fits `target`."""
+    if isinstance(vocab_chunk_size, str):
+        if vocab_chunk_size != "auto":
+            raise ValueError(
+                f"vocab_chunk_size must be 'auto', None or an int, got {vocab_chunk_size!r}"
+            )
+        fit = max(1, target // (4 * max(tokens, 1)))
+        chunk = max(d for d in range(1, rows + 1) if rows % d == 0 and (d <= fit or d == 1))
+        block, fits = format_mib(4 * tokens * chunk), format_mib(target)
+        if chunk == rows:
+            return chunk, f"auto: all {rows} rows, f32[{tokens}, {rows}] = {block} fits {fits}"
+        return chunk, (
+            f"auto: the largest divisor of {rows} rows whose f32[{tokens}, {chunk}] = {block} "
+            f"fits {fits}"
+        )
     chunk = rows if vocab_chunk_size is None else int(vocab_chunk_size)
     if chunk < 1 or rows % chunk:
         divisors = [d for d in range(1, rows + 1) if rows % d == 0]
@@ -298,4 +534,15 @@ def chunk_rows(rows: int, vocab_chunk_size, table_shape, row_axes) -> int:
             f"device holds (table {table_shape[0]} rows over {row_axes or 'no mesh axis'}): "
             f"use a divisor of {rows}, such as {' or '.join(str(d) for d in sorted(near))}"
         )
-    return chunk
+    return chunk, ("None given: all rows" if vocab_chunk_size is None else "given")
+
+
+# fmt: off
+_EMPTY = CrossEntropyPlan(
+    mesh_axes=(), hidden_shape=(), table_shape=(0, 0), vocab_size=0, given_hidden_spec=P(),
+    hidden_spec=P(), weight_spec=P(), tokens_spec=P(), out_spec=P(), row_axes=(),
+    hidden_axes=(), batch_axes=(), rows_per_shard=0, chunk_rows=1, label_smoothing=0.0,
+    z_loss=0.0, ignore_index=None, softcap=None,
+    forward_rule=None, grad_rule=None,  # type: ignore[arg-type]
+)  # a blank the planner fills with dataclasses.replace
+# fmt: on

@@ -193,9 +193,19 @@ def format_cross_entropy_plan(plan: CrossEntropyPlan) -> str:
         f"  loss    {plan.out_spec}  logits block per device f32"
         f"[{plan.local_tokens}, {plan.chunk_rows}]",
     ]
-    for phase, op, axes, operand in plan.collectives:
-        lines.append(f"  {phase:<9}{op:<12}{','.join(axes):<16}{operand}")
-    return "\n".join(lines)
+    lines.append(f"  chunks  {plan.chunk_reason}" if plan.chunk_reason else "")
+    lines.append(f"  move    {plan.table_move}: {plan.move_reason}" if plan.move_reason else "")
+    for move, wire, peak in plan.alternatives:
+        mark = "*" if move == plan.table_move else " "
+        lines.append(f"   {mark} {move:<7}wire {_mib(wire):>12}  peak {_mib(peak):>12}")
+    for phase, op, axes, operand, wire in plan.priced_collectives:
+        lines.append(f"  {phase:<9}{op:<13}{','.join(axes):<16}{operand:<30}{_mib(wire):>12}")
+    lines.append(f"  total wire bytes per device and step {_mib(plan.wire_bytes)}")
+    return "\n".join(line for line in lines if line)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
 
 
 def format_id_stats(stats: IdStats) -> str:
