@@ -55,6 +55,7 @@ SUBCOMMANDS = {
     "quant-fbgemm": "benchmarks.quant.fbgemm",
     "grid": "benchmarks.grid.bench",
     "defaults": "benchmarks.defaults",
+    "llm-head": "benchmarks.llm_head",
 }
 """`python -m benchmarks NAME ...` runs `main` of this module; no NAME runs `layouts`."""
 

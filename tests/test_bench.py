@@ -11,6 +11,9 @@ from benchmarks.layouts.cases import LAYOUTS, MAIN_LAYOUTS
 from benchmarks.layouts.impls import IMPLEMENTATIONS
 
 
+# The tests of the whole `--quick` record (one ~35 s run) are marked slow (`pytest -m slow`);
+# the default run keeps the flags' checks and the one-layout run of
+# `test_one_layout_agrees_with_the_dense_reference`.
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """One quick run for the whole module: the JSON record and the plot directory."""
@@ -32,6 +35,7 @@ def record(run):
     return run[0]
 
 
+@pytest.mark.slow
 def test_record_structure(record):
     assert record["schema"] == bench.SCHEMA
     assert record["machine"]["device_count"] == 8
@@ -47,6 +51,7 @@ def test_record_structure(record):
         assert list(case["implementations"]) == list(IMPLEMENTATIONS)
 
 
+@pytest.mark.slow
 def test_every_implementation_agrees_with_the_dense_reference(record):
     ran = 0
     for case in record["cases"]:
@@ -66,6 +71,7 @@ def test_every_implementation_agrees_with_the_dense_reference(record):
     assert ran >= 4 * len(record["cases"])
 
 
+@pytest.mark.slow
 def test_jaxembed_bytes_against_minimum_and_xla(record):
     """Bytes come from the compiled HLO: deterministic, so they may be asserted."""
     for case in record["cases"]:
@@ -76,6 +82,7 @@ def test_jaxembed_bytes_against_minimum_and_xla(record):
         assert largest is None or largest["result_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_sweeps(record):
     vocab = record["sweeps"]["vocab"]
     assert [p["vocab"] for p in vocab] == list(bench.QUICK.vocab_sweep)
@@ -92,6 +99,7 @@ def test_sweeps(record):
             assert result["agrees_with_reference"], (p["name"], result)
 
 
+@pytest.mark.slow
 def test_targets_are_reported(record):
     targets = record["targets"]
     assert targets["at_target_shapes"] is False
@@ -102,6 +110,7 @@ def test_targets_are_reported(record):
     assert targets["all_agree_with_reference"] is True
 
 
+@pytest.mark.slow
 def test_markdown_and_plots(run):
     _, out = run
     text = (out / "bench.md").read_text()
@@ -111,6 +120,23 @@ def test_markdown_and_plots(run):
         assert pngs == ["bench_batch.png", "bench_devices.png", "bench_layouts.png",
                         "bench_vocab.png"]  # fmt: skip
         assert all((out / "plots" / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
+
+
+def test_one_layout_agrees_with_the_dense_reference(tmp_path):
+    """The default run's check of the harness: one layout, two implementations, no sweeps."""
+    path = tmp_path / "bench.json"
+    argv = ["--quick", "--no-progress", "--layouts", "rows-on-model", "--impls", "jaxembed",
+            "xla", "--sweeps", "--no-dense-regime", "--json", str(path)]  # fmt: skip
+    assert bench.main(argv) == 0
+    record = json.loads(path.read_text())
+    assert record["schema"] == bench.SCHEMA and record["config"]["quick"] is True
+    (case,) = record["cases"]
+    assert case["layout"] == "rows-on-model"
+    assert list(case["implementations"]) == ["jaxembed", "xla"]
+    for name, result in case["implementations"].items():
+        assert result["status"] == "ok", (name, result)
+        assert result["agrees_with_reference"] and result["max_abs_error_out"] <= 1e-5, name
+    assert case["summary"]["jaxembed_wire_ratio_to_minimum"] <= 1.1
 
 
 def test_bad_flags():

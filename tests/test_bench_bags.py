@@ -11,11 +11,14 @@ import benchmarks
 from benchmarks.bags import bench as bags
 
 
+# The tests of the `--quick` run (~16 s) are marked slow (`pytest -m slow`); the bags'
+# construction runs by default.
 @pytest.fixture(scope="module")
 def bags_run(tmp_path_factory):
     return quick_run(tmp_path_factory, "bags", benchmarks.main)
 
 
+@pytest.mark.slow
 def test_bags_record(bags_run):
     record, _ = bags_run
     assert record["schema"] == bags.SCHEMA
@@ -30,6 +33,7 @@ def test_bags_record(bags_run):
             check_ok(result, (p["name"], name))
 
 
+@pytest.mark.slow
 def test_bags_pool_before_communicating(bags_run):
     """jaxembed sends pooled partial sums: at most XLA's bytes / L̄ (deterministic bytes)."""
     record, _ = bags_run

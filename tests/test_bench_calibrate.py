@@ -15,6 +15,7 @@ from jaxembed.kernels import native
 from jaxembed.plan import cost
 
 
+@pytest.mark.slow  # ~20 s of measuring; the dispatch and the constants' file run by default
 def test_calibrate(tmp_path, monkeypatch, capsys):
     path = tmp_path / "cost.json"
     monkeypatch.setenv("JAXEMBED_COST_FILE", str(path))

@@ -4,10 +4,14 @@ decisions, bit for bit."""
 
 import json
 
+import pytest
+
 from benchmarks.dynamic import throughput
 from jaxembed.kernels import remap_native
 
 
+# ~9 s; the engines' decisions against each other and the reference: tests/test_dynamic_remap.py
+@pytest.mark.slow
 def test_quick_throughput_record(tmp_path):
     path = tmp_path / "t.json"
     assert throughput.main(["--quick", "--json", str(path)]) == 0

@@ -29,6 +29,7 @@ def test_workload_rounds_the_dynamic_tables_to_whole_buckets():
     assert min(rows[t] for t in w.dynamic) >= max(r for t, r in w.tables if t not in w.dynamic)
 
 
+@pytest.mark.slow  # ~22 s; a DLRM trained with dynamic tables: tests/test_train_dynamic.py
 def test_quick_jax_variants(tmp_path):
     path = tmp_path / "d.json"
     assert dlrm_step.main(["--quick", "--no-torchrec", "--json", str(path)]) == 0
@@ -46,6 +47,7 @@ def test_quick_jax_variants(tmp_path):
     assert "torchrec_mch / dynamic" not in targets
 
 
+@pytest.mark.slow  # ~13 s, with the check it guards
 def test_equivalence_check_sees_a_wrong_row():
     """The check is not vacuous: a dynamic table fed another batch's raw ids than the static
     table's ids trains other rows, and the check says so."""

@@ -66,12 +66,14 @@ def test_the_jaxembed_runner_steps_as_the_float64_reference(tmp_path, form):
     assert len(record["step_samples_in_ms"]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("fbgemm_gpu") is None, reason="needs fbgemm_gpu")
 def test_quick_grid_with_the_peer(tmp_path):
     assert bench.main(["--quick", "--torch-python", sys.executable,
                        "--json", str(tmp_path / "g.json")]) == 0  # fmt: skip
 
 
+@pytest.mark.slow  # ~10 s, a whole `--quick` grid; the runner's check runs by default (above)
 def test_quick_grid_without_the_peer_and_the_summary(tmp_path, monkeypatch):
     monkeypatch.delenv("JAXEMBED_TORCHREC_PYTHON", raising=False)
     assert bench.main(["--quick", "--forms", "ragged", "--json", str(tmp_path / "g.json")]) == 0

@@ -28,6 +28,9 @@ TIME_KEYS = ("step_time_median_in_ms", "step_time_p90_in_ms", "step_time_cpu_med
              "forward_time_median_in_ms")  # fmt: skip
 
 
+# The tests of the `--quick` run (~30 s, a worker subprocess) are marked slow (`pytest -m
+# slow`); the targets' arithmetic, the flags, the uniform layouts and `read_rows` run by
+# default.
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     """One `--quick` run through the command (a worker subprocess on 8 devices)."""
@@ -38,6 +41,7 @@ def quick(tmp_path_factory):
     return status, json.loads((folder / "planner.json").read_text()), folder
 
 
+@pytest.mark.slow
 def test_quick_run_writes_the_documented_record(quick):
     status, record, _ = quick
     assert status == 0 and "error" not in record
@@ -71,6 +75,7 @@ def test_quick_run_writes_the_documented_record(quick):
     assert layouts["planner"]["modelled"]["over_budget"] is False
 
 
+@pytest.mark.slow
 def test_quick_targets_are_booleans_and_follow_the_times(quick):
     _, record, folder = quick
     t = record["targets"]
@@ -88,6 +93,7 @@ def test_quick_targets_are_booleans_and_follow_the_times(quick):
     assert "| planner |" in text and "## Targets" in text and "CollectionPlan" in text
 
 
+@pytest.mark.slow
 def test_plot_writes_a_png(quick, tmp_path):
     pytest.importorskip("matplotlib")
     _, record, _ = quick

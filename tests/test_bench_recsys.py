@@ -76,6 +76,9 @@ def test_quick_run_writes_the_documented_record(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+# ~80 s for both: marked slow (`pytest -m slow`); by default the quick run above checks
+# jaxembed and XLA against the reference, and the check itself is tested below.
+@pytest.mark.slow
 @pytest.mark.parametrize("workload,devices", [("a", 8), ("dlrm", 1)])
 def test_every_jax_implementation_agrees_with_the_reference(workload, devices):
     variants = [v for v in recsys_impls.VARIANTS if devices > 1 or v != "jaxembed[rows]"]
@@ -218,6 +221,7 @@ def test_bad_names_raise_with_the_choices():
     assert recsys.main(["--workloads", "a,c", "--quick"]) == 2
 
 
+@pytest.mark.slow  # ~11 s
 def test_floor_quick_run_times_the_split_the_mesh_and_one_device(tmp_path):
     """`bench recsys-floor`: the split steps, the n-device step and the 1-device step, each
     with a ratio to the last; the split share has 1/n of the batch and rows."""

@@ -14,6 +14,11 @@ from bench_runs import check_ok, quick_run
 from benchmarks.routed import bench as routed
 from jaxembed import cli
 
+# Both runs of this module (`--quick`, ~27 s, and the pieces, ~16 s) are marked slow
+# (`pytest -m slow`): the routed exchange itself, its HLO, fallback and native bucketing, is
+# tested by tests/test_routed*.py and tests/test_native_routing.py.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def routed_run(tmp_path_factory):

@@ -12,6 +12,10 @@ import benchmarks
 from benchmarks.layouts.cases import MAIN_LAYOUTS
 from benchmarks.rowsparse import bench as sparse
 
+# The whole module reads one `--quick` run (~25 s): marked slow (`pytest -m slow`). The
+# row-sparse steps it times are tested against the float64 reference by tests/test_optim*.py.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def sparse_run(tmp_path_factory):

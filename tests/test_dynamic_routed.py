@@ -34,6 +34,12 @@ CONFIGS = {
     "ttl": dict(policy="ttl", ttl_steps=1),
 }
 IMPLS = ("xla", "native") if NATIVE else ("xla",)
+# Every policy on the default remap engine (native where built); XLA's engine once, with ttl
+# (its refusals), where the native one runs (its policies against the reference on one device
+# and split by rows: tests/test_dynamic_remap.py and tests/test_dynamic_table.py).
+ROUTED_CASES = [(p, IMPLS[-1]) for p in ("lru", "lfu", "ttl")] + (
+    [("ttl", "xla")] if NATIVE else []
+)
 
 
 def config(policy):
@@ -96,8 +102,7 @@ def same(got, want, where):
             np.testing.assert_array_equal(a, b, err_msg=where)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("policy", ["lru", "lfu", "ttl"])
+@pytest.mark.parametrize(("policy", "impl"), ROUTED_CASES)
 def test_the_routed_remap_equals_one_device_and_the_reference(policy, impl):
     cfg = config(policy)
     ref_state, totals = R.init_state(cfg), np.zeros(6, int)
@@ -120,7 +125,9 @@ def test_the_routed_remap_equals_one_device_and_the_reference(policy, impl):
     assert hits > 0 and admitted > 0 and evicted > 0 and refused > 0 and reserved > 0, totals
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+# The default engine: the gather exchange it falls back to is the one of a table split by rows
+# (tests/test_dynamic_table.py, both engines).
+@pytest.mark.parametrize("impl", IMPLS[-1:])
 def test_a_batch_for_one_owner_overflows_into_the_gather_exchange_exactly(impl):
     cfg = config("lru")
     batches = list(stream(seed=2, owner=3, cfg=cfg, bags=128))

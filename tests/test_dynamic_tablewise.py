@@ -42,6 +42,7 @@ from jaxembed.collection import FeatureConfig, TableConfig, layout_collection
 from jaxembed.dynamic import reference as R
 from jaxembed.dynamic.config import DynamicState, DynamicTableConfig
 from jaxembed.kernels.collection import collection_lookup, collection_update
+from jaxembed.nn.common import replicated_on
 from jaxembed.nn.stacks import build_stack
 from jaxembed.optim import dynamic_collection as DC
 from jaxembed.plan.specs import format_bytes
@@ -296,9 +297,11 @@ class NnxNet(nnx.Module):
                                                         rngs=nnx.Rngs(0))  # fmt: skip
         zeros = {t.name: np.zeros((t.vocab_size, H), np.float32) for t in TABLES if t.dynamic}
         self.coll.load_tables({**STATIC, **zeros})
-        self.coll.reset_key.set_value(jax.random.key_data(KEY))
-        self.w = nnx.Param(jnp.linspace(-1, 1, len(FEATURES) * H))
-        self.b = nnx.Param(jnp.float32(0.25))
+        # replicated on the mesh, as the step returns them (then it compiles once)
+        here = replicated_on(mesh)
+        self.coll.reset_key.set_value(here(jax.random.key_data(KEY)))
+        self.w = nnx.Param(here(jnp.linspace(-1, 1, len(FEATURES) * H)))
+        self.b = nnx.Param(here(jnp.float32(0.25)))
 
     def __call__(self, batch):
         return whole(self.coll.concat(self.coll(batch)), MESH8) @ self.w[...] + self.b[...]
@@ -320,6 +323,7 @@ def test_the_nnx_collection_trains_tablewise_dynamic_tables_like_the_references(
     layout = net.coll.layout
     check_layout(layout, MESH8)
     dense = nnx.Optimizer(net, optax.sgd(LR_HEAD), wrt=jaxembed.nnx.DENSE)
+    dense.step.set_value(replicated_on(MESH8)(dense.step.get_value()))
     sparse = jaxembed.nnx.SparseOptimizer(net, OPT)
     twin = Twin(layout)
     for t, (raw, y) in enumerate(stream()):

@@ -109,9 +109,20 @@ LAYOUTS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("exchange", ["dense", "rows"])
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def reference_cases():
+    """Every layout with both gradient exchanges, once with Explicit axes and once with Auto
+    ones (the pairing alternates over the layouts, so that each exchange meets both too)."""
+    types = [(AxisType.Explicit, "explicit"), (AxisType.Auto, "auto")]
+    cases = []
+    for n, layout in enumerate(LAYOUTS):
+        for k, exchange in enumerate(["dense", "rows"]):
+            axis_type, name = types[(n + k) % 2]
+            case_id = f"{name}-{layout}-{exchange}"
+            cases.append(pytest.param(layout, exchange, axis_type, id=case_id))
+    return cases
+
+
+@pytest.mark.parametrize(("layout", "exchange", "axis_type"), reference_cases())
 def test_matches_dense_reference(layout, exchange, axis_type):
     mesh_shape, w_spec, x_spec, out_spec, ids_shape = LAYOUTS[layout]
     mesh = make_mesh(mesh_shape, axis_type)

@@ -93,9 +93,17 @@ LAYOUTS = {
 COMBINERS = ["sum", "mean", "sqrtn", "max"]
 
 
-@pytest.mark.parametrize("exchange", ["dense", "rows"])
-@pytest.mark.parametrize("combiner", COMBINERS)
-@pytest.mark.parametrize("layout", LAYOUTS)
+def alternating(layouts, options, second):
+    """Every (layout, option) pair once, `second`'s two values in turn: each layout and each
+    option meets both."""
+    return [pytest.param(layout, option, second[(n + k) % 2], id=f"{layout}-{option}-{second[(n + k) % 2]}")
+            for n, layout in enumerate(layouts) for k, option in enumerate(options)]  # fmt: skip
+
+
+# Every layout with every combiner; the gradient's exchange (dense or rows) in turn.
+@pytest.mark.parametrize(
+    ("layout", "combiner", "exchange"), alternating(LAYOUTS, COMBINERS, ("dense", "rows"))
+)
 def test_dense_form_matches_reference(layout, combiner, exchange):
     mesh_shape, w_spec, x_spec, out_spec = LAYOUTS[layout]
     mesh = make_mesh(mesh_shape, AxisType.Explicit)
@@ -126,11 +134,12 @@ def check_bag_hlo(plan, text, mesh):
             assert np.prod(c.result_shape[0]) <= pooled, f"more than the pooled output moves: {c}"
 
 
-@pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+# Every layout with every combiner, unweighted and weighted in turn.
 @pytest.mark.parametrize(
-    "layout", ["rows", "rows-over-data-model", "hidden", "1d-rows-ids-split", "rows-bag-axis-split"]
-)
+    ("layout", "combiner", "weighted"),
+    alternating(["rows", "rows-over-data-model", "hidden", "1d-rows-ids-split",
+                 "rows-bag-axis-split"], ["sum", "mean", "sqrtn"], (False, True)),
+)  # fmt: skip
 def test_flat_form_matches_reference(layout, combiner, weighted):
     mesh_shape, w_spec, x_spec, _ = LAYOUTS[layout]
     mesh = make_mesh(mesh_shape, AxisType.Explicit)

@@ -28,6 +28,8 @@ def run(script, *args, processes=2, devices=4, **kwargs):
     return code, out.getvalue(), time.monotonic() - start
 
 
+# The default run starts two processes once, here (the cheapest run that checks numbers on
+# every process); the heavier multi-process runs below are marked slow (`pytest -m slow`).
 def test_embedding_matches_the_dense_reference_on_every_process():
     code, out, _ = run("embedding_layouts.py", timeout_seconds=300)
     assert code == 0, out[-3000:]
@@ -37,6 +39,7 @@ def test_embedding_matches_the_dense_reference_on_every_process():
     assert len(layouts) == len(oks) == 2 * 2 * 6 * 2  # processes x exchanges x layouts x meshes
 
 
+@pytest.mark.slow  # ~70 s: the launch and the per-process checks are the test above's
 def test_bags_and_row_sparse_updates_match_the_reference_on_every_process():
     code, out, _ = run("recsys_layouts.py", timeout_seconds=400)
     assert code == 0, out[-3000:]
@@ -56,6 +59,9 @@ def test_bags_and_row_sparse_updates_match_the_reference_on_every_process():
     assert found == want, out[-3000:]
 
 
+# ~15 s of waiting for the runtime's heartbeat timeout; a dead peer named and the others
+# stopped: by default in tests/test_launch_peer.py (seconds)
+@pytest.mark.slow
 def test_a_killed_process_stops_the_others_within_60_seconds():
     code, out, elapsed = run("killed_peer.py", grace_seconds=120, timeout_seconds=180)
     assert "[launch] process 1 was killed by SIGKILL" in out
@@ -162,6 +168,7 @@ def train(tmp_path, name, *flags):
     return proc.returncode, out, json.loads(metrics.read_text()) if metrics.exists() else None
 
 
+@pytest.mark.slow  # ~75 s: four training runs, three of them over two processes
 def test_training_across_processes_survives_a_killed_process(tmp_path):
     # One process x 8 devices and 2 processes x 4 devices train the same numbers.
     code, out, single = train(tmp_path, "single")

@@ -5,11 +5,17 @@ import re
 import time
 from pathlib import Path
 
+import pytest
+
 from jaxembed import launch
 
 HERE = Path(__file__).parent / "multihost"
 
 
+# ~90 s over two processes; tests/test_multihost.py runs a quicker multi-process check by
+# default, and the dynamic tables' sharded steps are checked on 8 devices of one process by
+# tests/test_dynamic_*.py.
+@pytest.mark.slow
 def test_dynamic_tables_over_two_processes_match_one_device():
     out, start = io.StringIO(), time.monotonic()
     code = launch.launch([str(HERE / "dynamic_tables.py")], processes=2, devices_per_process=4,

@@ -5,10 +5,11 @@ empty or overwritten one was never rebuilt. Each case here corrupts a copy of on
 built into a temporary cache (`JAXEMBED_NATIVE_CACHE`, never the user's), then runs a fresh
 python that must exit 0 and compute native lookups equal to numpy's.
 
-Compiles are slow (tens of seconds), so only one case runs the real compiler: the build the
-others copy. The others (a truncated library among them) run a stand-in compiler (`$CXX`)
-that answers `--version` as the real one does, so the cache key is the same, and "compiles"
-by copying the good library (logging each call: exactly one rebuild), or fails.
+Compiles are slow (tens of seconds), so only one case runs the real compiler, and only with
+`pytest -m slow`: the suite's own processes already built (or verified) the library from the
+same sources. The cases run a stand-in compiler (`$CXX`) that answers `--version` as the real
+one does, so the cache key is the same, and "compiles" by copying that good library (logging
+each call: exactly one rebuild), or fails; the build all the cases copy is one such.
 """
 
 from __future__ import annotations
@@ -110,11 +111,26 @@ def stand_in_compiler(tmp_path: Path, good: Path | None) -> tuple[str, Path]:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """One real build into a temporary cache: (its key directory, the first process's report)."""
+    """One build into a temporary cache: (its key directory, the first process's report).
+
+    Its compiler is the stand-in, copying the library this process built or loaded (a real
+    build of the same sources, flags and compiler, verified): the build's own steps (the
+    temporary file, its hash, the rename, the record) run as they do after the real compiler,
+    without a second compile of tens of seconds. `test_a_real_build_into_an_empty_cache`
+    (slow) runs the real compiler in a fresh cache; where this process has no verified
+    library, the fixture does too.
+    """
     if build.compiler() is None:
         pytest.skip("no C++ compiler: the native kernels (and their cache) are not built")
-    cache = tmp_path_factory.mktemp("native-cache")
-    report = run_python(BUILD_ONLY, cache)
+    tmp = tmp_path_factory.mktemp("native-cache")
+    own = build.library_path() if build.ensure() is None else None
+    if own is None or build.verify(own) is not None:
+        report = run_python(BUILD_ONLY, tmp / "cache")  # the real compiler
+    else:
+        shutil.copy(own, tmp / "good.so")
+        cxx, log = stand_in_compiler(tmp, tmp / "good.so")
+        report = run_python(BUILD_ONLY, tmp / "cache", cxx)
+        assert len(log.read_text().splitlines()) == 1, "expected exactly one build"
     assert report["why"] is None, report
     return Path(report["path"]).parent, report
 
@@ -150,6 +166,20 @@ def test_record_is_written_at_build_time(built):
     leftovers = [p.name for p in key_dir.iterdir() if p.name.startswith((".build-", ".record-"))]
     assert not leftovers, "temporary files of the build were left behind"
     assert build.verify(library) is None
+
+
+@pytest.mark.slow  # a real compile, tens of seconds
+def test_a_real_build_into_an_empty_cache(tmp_path):
+    if build.compiler() is None:
+        pytest.skip("no C++ compiler: the native kernels (and their cache) are not built")
+    report = run_python(BUILD_ONLY, tmp_path / "cache")
+    assert report["why"] is None, report
+    assert report["rebuild"] == "no library is cached yet"
+    library = Path(report["path"])
+    assert build.verify(library) is None
+    leftovers = [p.name for p in library.parent.iterdir()
+                 if p.name.startswith((".build-", ".record-"))]  # fmt: skip
+    assert not leftovers, "temporary files of the build were left behind"
 
 
 def test_verified_library_is_loaded_without_a_rebuild(built, tmp_path):

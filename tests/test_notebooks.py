@@ -60,7 +60,17 @@ def _execute(nb, timeout_s: int) -> None:
     client.execute(env=env)  # raises CellExecutionError, with the failing cell, on any error
 
 
-@pytest.mark.parametrize("name", NOTEBOOKS)
+# The shortest notebook runs by default; the others (~10, ~35 and ~55 s; what they call is
+# tested directly, e.g. examples/train_lm.py by tests/test_train_lm.py and the NNX collections
+# by tests/test_collection.py) with `-m slow`. Every notebook's committed form, outputs and
+# Markdown twin are checked by default (below).
+SLOW_NOTEBOOKS = {"02_shard_map_embedding.ipynb", "03_flax_training.ipynb", "04_recsys.ipynb"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_NOTEBOOKS else n for n in NOTEBOOKS],
+)
 def test_notebook_runs(name, monkeypatch):
     monkeypatch.setenv("JAXEMBED_NOTEBOOK_SMALL", "1")
     _execute(_read(name), CELL_TIMEOUT_S)

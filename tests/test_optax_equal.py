@@ -119,9 +119,28 @@ def accumulator(opt_state):
     return np.asarray(rss[0].sum_of_squares) if rss else None
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("case", CASES)
+def optax_cases():
+    """Every case with both kernels on one device (the arguments are the formula's, the same
+    on every layout); every other layout with optax's adagrad defaults on both kernels, and
+    one of the other cases in turn, on the kernels in turn (so that each of them meets two or
+    three more layouts, on both kernels)."""
+    impls = {"xla": IMPLS[0], "native": IMPLS[1]}
+
+    def param(case, layout, impl):
+        marks = impls[impl].marks if impl == "native" else ()
+        return pytest.param(case, layout, impl, marks=marks, id=f"{case}-{layout}-{impl}")
+
+    full = ("1-device",)
+    cases = [param(c, lay, i) for c in CASES for lay in full for i in impls]
+    others = [c for c in CASES if c != "adagrad"]
+    for n, lay in enumerate(lay for lay in LAYOUTS if lay not in full):
+        cases += [param("adagrad", lay, i) for i in impls]
+        turn = n + n // len(others)  # each of the others on both kernels over the layouts
+        cases.append(param(others[n % len(others)], lay, ("xla", "native")[turn % 2]))
+    return cases
+
+
+@pytest.mark.parametrize(("case", "layout", "impl"), optax_cases())
 def test_row_sparse_steps_equal_optax_dense_steps(case, layout, impl):
     opt, dense = CASES[case]()
     rng = np.random.default_rng(len(case) * 31 + len(layout))

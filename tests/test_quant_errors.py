@@ -42,6 +42,17 @@ BAD = [  # (row, column, value, precision)
 ]
 
 
+EXPLICIT, AUTO = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
+
+
+def with_axis_types(explicit, auto):
+    """`(index, axis_type)` cases: the indices in `explicit` with Explicit axes, those in `auto`
+    with Auto ones (one device, index 0 here, has no axes: it runs once)."""
+    return [pytest.param(i, t, id=f"{name}-{i}")
+            for t, name, which in ((EXPLICIT, "explicit", explicit), (AUTO, "auto", auto))
+            for i in which]  # fmt: skip
+
+
 def _put(x, layout, axis_type):
     if layout is None:
         return jnp.asarray(x)
@@ -57,7 +68,9 @@ def _reference_rows(x, precision):
     return nbit_rows(x, {"int4": 4, "int2": 2}[precision])
 
 
-@pytest.mark.parametrize("layout", range(len(LAYOUTS)))
+# Every layout once: one device, the 1-D row and column splits and the 2-D row split with
+# Explicit axes; the 2-D split of rows and columns and the 2-D column split with Auto ones.
+@pytest.mark.parametrize(("layout", "axis_type"), with_axis_types([0, 1, 2, 3], [4, 5]))
 def test_a_row_holding_nan_or_inf_is_named_on_any_layout(rng, layout, axis_type):
     clean = rng.standard_normal((V, H)).astype(F32)
     quantize_jit = jax.jit(quantize, static_argnums=1)
@@ -150,7 +163,9 @@ def _stack_row(coll, table, row):
     return stack.name, int(hit)
 
 
-@pytest.mark.parametrize("which", range(len(MESHES)))
+# Each mesh once, and each axis type on a mesh (the layouts and axis types of a refused row
+# are crossed above, on the functional `quantize` the collections call per stack).
+@pytest.mark.parametrize(("which", "axis_type"), with_axis_types([0, 2], [1]))
 def test_a_collection_names_the_table_and_its_row(which, axis_type):
     mesh = _mesh(which, axis_type)
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
@@ -198,7 +213,7 @@ def test_a_collection_under_jit_reads_the_refused_row_as_nan(axis_type):
         np.testing.assert_array_equal(got, np.broadcast_to(fused[4:] * scale + bias, got.shape))
 
 
-@pytest.mark.parametrize("which", [0, 2])
+@pytest.mark.parametrize(("which", "axis_type"), with_axis_types([0, 2], [2]))
 def test_a_dim_the_precision_cannot_pack_names_the_table(which, axis_type):
     mesh = _mesh(which, axis_type)
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
@@ -243,7 +258,7 @@ def test_a_dim_the_precision_cannot_pack_names_the_table(which, axis_type):
     np.testing.assert_allclose(got, rows[np.asarray(ids)].sum(1), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("which", [0, 2])
+@pytest.mark.parametrize(("which", "axis_type"), with_axis_types([0, 2], [2]))
 def test_a_row_sparse_optimizer_names_the_quantized_tables(which, axis_type):
     mesh = _mesh(which, axis_type)
     opt = jaxembed.optim.rowwise_adagrad(0.1)

@@ -61,10 +61,24 @@ NATIVE = pytest.param("native", marks=pytest.mark.skipif(
     not native.available(), reason=f"native kernels unavailable: {native.why_unavailable()}"))  # fmt: skip
 
 
-@pytest.mark.parametrize("impl", [NATIVE, "xla"])
-@pytest.mark.parametrize("capacity", [None, 1])
-@pytest.mark.parametrize("row_sharding", ["block", "mod"])
-@pytest.mark.parametrize("layout", LAYOUTS)
+def lookup_cases():
+    """Each layout in block and mod row order, at the default capacity and at 1 (the
+    fallback); the kernels alternate, so that each layout and each (row order, capacity) pair
+    runs on both."""
+    cases = []
+    for n, layout in enumerate(LAYOUTS):
+        for k, (row_sharding, capacity) in enumerate(
+            [("block", None), ("block", 1), ("mod", None), ("mod", 1)]
+        ):
+            impl = NATIVE if (n + k + k // 2) % 2 == 0 else "xla"
+            name = "native" if impl is NATIVE else "xla"
+            cases.append(pytest.param(layout, row_sharding, capacity, name,
+                                      marks=impl.marks if impl is NATIVE else (),
+                                      id=f"{layout}-{row_sharding}-{capacity}-{name}"))  # fmt: skip
+    return cases
+
+
+@pytest.mark.parametrize(("layout", "row_sharding", "capacity", "impl"), lookup_cases())
 def test_lookup_and_gradient(layout, row_sharding, capacity, impl):
     mesh_shape, w_spec, x_spec = LAYOUTS[layout]
     mesh = make_mesh(mesh_shape, AxisType.Explicit)
@@ -119,10 +133,19 @@ def test_adversarial_skew_falls_back_exactly():
     assert jaxembed.rowsharding.suggest_row_sharding(ids, vocab_size=1024, num_shards=8)[0] == "mod"
 
 
-@pytest.mark.parametrize("routed_pool", ["source", "owner"])
-@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
-@pytest.mark.parametrize("capacity", [None, 1])
-@pytest.mark.parametrize("layout", ["1d-fully-sharded", "rows-over-data-model"])
+def bag_cases():
+    """Each layout at both capacities, pooled at the source and at the owner, the combiners
+    in turn: every pair of (layout, capacity, pool, combiner) values runs (the combiners in
+    every form and pooling: tests/test_routed_owner_pool.py)."""
+    combos = [(layout, capacity, pool) for layout in ("1d-fully-sharded", "rows-over-data-model")
+              for capacity in (None, 1) for pool in ("source", "owner")]  # fmt: skip
+    combiners = ("sum", "mean", "sqrtn")
+    return [pytest.param(layout, combiners[n % 3], capacity, pool,
+                         id=f"{layout}-{capacity}-{combiners[n % 3]}-{pool}")
+            for n, (layout, capacity, pool) in enumerate(combos)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("layout", "combiner", "capacity", "routed_pool"), bag_cases())
 def test_bags(layout, combiner, capacity, routed_pool):
     mesh_shape, w_spec, x_spec = LAYOUTS[layout]
     mesh = make_mesh(mesh_shape, AxisType.Explicit)

@@ -104,15 +104,33 @@ XLA_LAYOUT = "1d-fully-sharded"
 """The layout the XLA kernels run on here (the native ones run every layout)."""
 
 
-@pytest.mark.parametrize("impl", [NATIVE, "xla"])
-@pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("combiner", COMBINERS)
-@pytest.mark.parametrize("layout", LAYOUTS)
+def case(layout, combiner, form, impl):
+    marks = NATIVE.marks if impl == "native" else ()
+    return pytest.param(layout, combiner, form, impl, marks=marks,
+                        id=f"{layout}-{combiner}-{form}-{impl}")  # fmt: skip
+
+
+def rotated(layout, combiners, impl, shift=0):
+    """One case per form on `layout`, the combiners rotated over the forms from `shift`."""
+    return [case(layout, combiners[(i + shift) % len(combiners)], form, impl)
+            for i, form in enumerate(FORMS)]  # fmt: skip
+
+
+# The native kernels on the 1-D layout: every combiner in every form (where the factors and
+# the bag boundaries differ). Each 2-D layout: each form once, with sum, mean and weighted
+# sqrtn rotated over the forms, so that each layout meets every form and every kind of factor.
+# XLA's kernels (their bodies are shared across layouts): each form once on the 1-D layout,
+# unweighted and weighted.
+VALUE_CASES = [
+    *(case(XLA_LAYOUT, c, f, "native") for c in COMBINERS for f in FORMS),
+    *rotated("2d-ids-over-both", ("sum", "mean", "weighted-sqrtn"), "native"),
+    *rotated("2d-ids-on-data", ("sum", "mean", "weighted-sqrtn"), "native", shift=1),
+    *rotated(XLA_LAYOUT, ("sum", "weighted-sqrtn"), "xla"),
+]
+
+
+@pytest.mark.parametrize(("layout", "combiner", "form", "impl"), VALUE_CASES)
 def test_values_and_gradients(layout, combiner, form, impl):
-    if impl == "xla" and (combiner not in ("sum", "weighted-sqrtn") or layout != XLA_LAYOUT):
-        pytest.skip("XLA's kernels: one layout, two combiners suffice (the bodies are shared)")
-    if layout != XLA_LAYOUT and combiner in ("sqrtn", "weighted-mean"):
-        pytest.skip("the 2-D layouts: sum, mean and weighted sqrtn cover the factors")
     mesh_shape, w_spec, x_spec = LAYOUTS[layout]
     mesh = make_mesh(mesh_shape, AxisType.Explicit)
     comb, weighted = COMBINERS[combiner]
@@ -140,13 +158,19 @@ def test_values_and_gradients(layout, combiner, form, impl):
                                    *r.fallback_backward))  # fmt: skip
 
 
-@pytest.mark.parametrize("impl", [NATIVE, "xla"])
-@pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("combiner", ["sum", "weighted-mean"])
-@pytest.mark.parametrize("layout", LAYOUTS)
+# The native kernels on the 1-D layout: both combiners in every form. Each 2-D layout and
+# XLA's kernels: each form once, unweighted and weighted rotated over the forms (the two 2-D
+# layouts together meet every (combiner, form) pair).
+UPDATE_CASES = [
+    *(case(XLA_LAYOUT, c, f, "native") for c in ("sum", "weighted-mean") for f in FORMS),
+    *rotated("2d-ids-over-both", ("sum", "weighted-mean"), "native"),
+    *rotated("2d-ids-on-data", ("sum", "weighted-mean"), "native", shift=1),
+    *rotated(XLA_LAYOUT, ("weighted-mean", "sum"), "xla"),
+]
+
+
+@pytest.mark.parametrize(("layout", "combiner", "form", "impl"), UPDATE_CASES)
 def test_row_sparse_update(layout, combiner, form, impl):
-    if impl == "xla" and layout != XLA_LAYOUT:
-        pytest.skip("XLA's kernels: one layout suffices (the bodies are shared)")
     mesh_shape, w_spec, x_spec = LAYOUTS[layout]
     mesh = make_mesh(mesh_shape, AxisType.Explicit)
     comb, weighted = COMBINERS[combiner]

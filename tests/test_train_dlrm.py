@@ -96,6 +96,7 @@ def test_resume_onto_another_mesh_and_placement_continues_the_run(example, refer
     assert_tables_close(dict(np.load(tmp_path / "t.npz")), tables)
 
 
+@pytest.mark.slow  # ~30 s; the default run's multi-process check is tests/test_multihost.py's
 def test_two_processes_compute_what_one_does(reference, tmp_path):
     metrics, tables, _ = reference
     proc = subprocess.run(
