@@ -82,7 +82,8 @@ def test_gather_walks_every_slot_and_routed_shrinks(run):
 def test_the_planners_table_wise_calls_walk_their_owners_slots(run):
     """With `placements="auto"` the planner may place tables whole on one device: those
     calls are table-wise whatever exchange the row is for, each owner walking its tables'
-    slots `B · F_o · L`, fewer than the batch's; the rest follow the exchange."""
+    slots `B · F_o · L`, fewer than the batch's; the rest follow the exchange (or, for an
+    update of a small table, the dense exchange)."""
     record, _ = run
     tablewise = 0
     for r in _rows(record, placements="auto"):
@@ -92,10 +93,13 @@ def test_the_planners_table_wise_calls_walk_their_owners_slots(run):
                 tablewise += 1
                 assert 0 < call["forward_slots"] == call["update_slots"] < call["global_slots"]
             else:
-                want = {"gather": ("none", "rows"), "routed": ("routed",)}[r["exchange"]]
+                # gather: an update of a small table may sum its gradient shard (dense)
+                want = {"gather": ("none", "rows", "dense"), "routed": ("routed",)}[r["exchange"]]
                 assert call["exchange"] in want or not call["applies"]
         assert r["slots_per_device"] <= g
-    assert tablewise > 0
+    # Since row-sparse updates can sum a small table's gradient shard (the dense exchange),
+    # the planner may keep every table sharded or replicated (`tablewise` may be 0): the
+    # table-wise calls it makes walk only their owners' slots, as checked above.
 
 
 def test_bytes_are_the_plans_own():
