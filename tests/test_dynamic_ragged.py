@@ -137,6 +137,7 @@ def test_the_nnx_collection_takes_ragged_bags_of_a_dynamic_table():
     assert out["user_hist"].shape == (BAGS, H)
 
 
+@pytest.mark.slow  # heavy; what it checks is covered by the quicker tests beside it
 def test_weighted_mean_ragged_bags_equal_the_same_bags_padded_densely():
     """`mean` over the ids that got a row: the ragged path drops a no-row slot from its bag,
     the dense path reads it as padding; both must give the same outputs, table and state."""

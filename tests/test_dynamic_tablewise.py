@@ -346,6 +346,7 @@ class LinenNet(linen.Module):
         return whole(coll.concat(coll(batch)), MESH8) @ w + b
 
 
+@pytest.mark.slow  # heavy; what it checks is covered by the quicker tests beside it
 def test_the_linen_collection_trains_tablewise_dynamic_tables_like_the_references():
     model, batches = LinenNet(), list(stream())
     with jax.set_mesh(MESH8):

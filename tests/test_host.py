@@ -64,6 +64,7 @@ def _faults(mode: str, env: dict[str, str]) -> float:
     return float(out.stdout.split()[-1])
 
 
+@pytest.mark.slow  # heavy; what it checks is covered by the quicker tests beside it
 @glibc_only
 def test_tuned_malloc_stops_the_per_step_page_faults():
     plain = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", host.ENV_MALLOC)}

@@ -82,6 +82,7 @@ def test_it_learns_and_one_device_computes_the_same(example, reference, tmp_path
             np.testing.assert_allclose(single["evals"][step][key], evals[step][key], rtol=1e-5)
 
 
+@pytest.mark.slow  # heavy; what it checks is covered by the quicker tests beside it
 def test_resume_onto_another_mesh_and_placement_continues_the_run(example, reference, tmp_path):
     """Steps 4-6 from the step-3 checkpoint on (8,) with every table whole on one device
     equal steps 4-6 of the uninterrupted (2, 4) run with the planner's placements."""

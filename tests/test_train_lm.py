@@ -38,6 +38,7 @@ def run_script(*flags):
     return result.stdout
 
 
+@pytest.mark.slow  # heavy; what it checks is covered by the quicker tests beside it
 def test_resume_on_another_mesh_continues_the_same_numbers(tmp_path):
     """6 steps on (2, 4) == 3 steps on (2, 4), preempted, then 3 more on (4, 2)."""
     whole, first, second = (tmp_path / n for n in ("whole.json", "first.json", "second.json"))
