@@ -60,6 +60,26 @@ def run_steps(opt, mesh, w_spec, x_spec, table, batches, **kw):
     return table_d, state
 
 
+def check_against_reference(opt, table, batches, table_d, state):
+    """The trained table and state against `reference.sparse_step` in float64, step by step;
+    returns the rows any batch touched."""
+    ref_table = table.astype(np.float64)
+    ref_states = reference.init_states(opt.formula, ROWS, HIDDEN)
+    for count, (ids, grad, _) in enumerate(batches):
+        ref_table, ref_states = reference.sparse_step(
+            opt.formula, ref_table, ref_states, ids, grad, count=count, vocab_size=VOCAB,
+            padding_idx=PAD,
+        )  # fmt: skip
+    np.testing.assert_allclose(np.asarray(table_d), ref_table, rtol=1e-5, atol=1e-6)
+    for got, want in zip(slots_of(opt, state), ref_states, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    touched = np.zeros(ROWS, bool)
+    for ids, _, _ in batches:
+        ok = (ids >= 0) & (ids < VOCAB) & (ids != PAD)
+        touched[ids[ok]] = True
+    return touched
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_matches_float64_reference(layout, name):
@@ -77,22 +97,9 @@ def test_matches_float64_reference(layout, name):
     table_d, state = run_steps(
         opt, mesh, w_spec, x_spec, table, batches, vocab_size=VOCAB, padding_idx=PAD
     )
-    ref_table = table.astype(np.float64)
-    ref_states = reference.init_states(opt.formula, ROWS, HIDDEN)
-    for count, (ids, grad, _) in enumerate(batches):
-        ref_table, ref_states = reference.sparse_step(
-            opt.formula, ref_table, ref_states, ids, grad, count=count, vocab_size=VOCAB,
-            padding_idx=PAD,
-        )  # fmt: skip
-    np.testing.assert_allclose(np.asarray(table_d), ref_table, rtol=1e-5, atol=1e-6)
-    for got, want in zip(slots_of(opt, state), ref_states, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    touched = check_against_reference(opt, table, batches, table_d, state)
     assert int(state.count) == 3
     # Untouched rows (padding rows, padding_idx, rows no batch read) and their state: bitwise.
-    touched = np.zeros(ROWS, bool)
-    for ids, _, _ in batches:
-        ok = (ids >= 0) & (ids < VOCAB) & (ids != PAD)
-        touched[ids[ok]] = True
     np.testing.assert_array_equal(np.asarray(table_d)[~touched], table[~touched])
     init = reference.init_states(opt.formula, ROWS, HIDDEN)
     for got, want in zip(slots_of(opt, state), init, strict=True):
@@ -292,20 +299,7 @@ def test_the_dense_exchange_of_an_update_matches_float64_reference(layout, name)
     assert plan.exchange == "dense"
     table_d, state = run_steps(opt, mesh, w_spec, x_spec, table, batches, vocab_size=VOCAB,
                                padding_idx=PAD, exchange="dense")  # fmt: skip
-    ref_table = table.astype(np.float64)
-    ref_states = reference.init_states(opt.formula, ROWS, HIDDEN)
-    for count, (ids, grad, _) in enumerate(batches):
-        ref_table, ref_states = reference.sparse_step(
-            opt.formula, ref_table, ref_states, ids, grad, count=count, vocab_size=VOCAB,
-            padding_idx=PAD,
-        )  # fmt: skip
-    np.testing.assert_allclose(np.asarray(table_d), ref_table, rtol=1e-5, atol=1e-6)
-    for got, want in zip(slots_of(opt, state), ref_states, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    touched = np.zeros(ROWS, bool)
-    for ids, _, _ in batches:
-        ok = (ids >= 0) & (ids < VOCAB) & (ids != PAD)
-        touched[ids[ok]] = True
+    touched = check_against_reference(opt, table, batches, table_d, state)
     np.testing.assert_array_equal(np.asarray(table_d)[~touched], table[~touched])
     assert table_d.sharding.is_equivalent_to(NamedSharding(mesh, w_spec), 2)
 
