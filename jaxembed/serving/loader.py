@@ -117,6 +117,17 @@ def _damaged(file: Path, what: str, *, also: str = "") -> ValueError:
     )
 
 
+def _read_json(file: Path, what: str, where: str) -> Any:
+    """The JSON in `file`: FileNotFoundError where it is missing (`where` says what to pass),
+    a ValueError naming it where it does not parse."""
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} does not exist: {where}")
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _damaged(file, f"is not a JSON {what} ({type(e).__name__}: {e})") from e
+
+
 def read_manifest(path: str | Path) -> dict[str, Any]:
     """The artifact's manifest, checked for the format this loader reads and its keys.
 
@@ -126,15 +137,9 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         lacks keys the loader reads (each names the file and the fix).
     """
     file = Path(path) / MANIFEST
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"{file} does not exist: load() takes the directory jaxembed.serving.save(artifact, "
-            "path) wrote (manifest.json, params.npz, exported.bin)"
-        )
-    try:
-        manifest = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise _damaged(file, f"is not a JSON manifest ({type(e).__name__}: {e})") from e
+    manifest = _read_json(file, "manifest", "load() takes the directory "
+                          "jaxembed.serving.save(artifact, path) wrote (manifest.json, "
+                          "params.npz, exported.bin)")  # fmt: skip
     if not isinstance(manifest, dict):
         raise _damaged(file, f"holds a JSON {type(manifest).__name__}, not an object")
     if "format" in manifest and manifest["format"] != FORMAT:
@@ -463,15 +468,8 @@ def read_delta(path: str | Path) -> dict[str, Any]:
       ValueError: another format, a file that is not a JSON object or lacks keys (named).
     """
     file = Path(path) / DELTA_MANIFEST
-    if not file.is_file():
-        raise FileNotFoundError(
-            f"{file} does not exist: apply_delta takes the directory DeltaWriter.write wrote "
-            "(delta.json, delta.npz)"
-        )
-    try:
-        delta = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise _damaged(file, f"is not a JSON delta ({type(e).__name__}: {e})") from e
+    delta = _read_json(file, "delta", "apply_delta takes the directory DeltaWriter.write "
+                       "wrote (delta.json, delta.npz)")  # fmt: skip
     if not isinstance(delta, dict) or delta.get("format") != DELTA_FORMAT:
         got = delta.get("format") if isinstance(delta, dict) else type(delta).__name__
         raise ValueError(
