@@ -206,6 +206,14 @@ def test_bad_deltas_are_refused_naming_the_file_or_field(served, tmp_path):
     # a writer given another tree
     with pytest.raises(ValueError, match=r"params has the leaves .* pass the tree"):
         serving.DeltaWriter(path).write({"tables": []}, tmp_path / "x")
+    # integer leaves that do not fit the exported dtype: refused, never narrowed
+    other_ids = serving.save(serving.export_inference(
+        lambda p, i: {"x": p["t"][p["ids"][i]]},
+        {"t": jnp.ones((V, H)), "ids": np.arange(4, dtype=np.int32)},
+        jnp.zeros((3,), jnp.int32)), tmp_path / "ids")  # fmt: skip
+    wide = {"t": np.ones((V, H), np.float32), "ids": np.array([0, 1, 2, 2**40], np.int64)}
+    with pytest.raises(ValueError, match=r"params\['ids'\] is int64 holding values that int32"):
+        serving.DeltaWriter(other_ids).write(wide, tmp_path / "wide")
     # damaged and foreign files
     bad = tmp_path / "bad"
     bad.mkdir()

@@ -133,7 +133,16 @@ class DeltaWriter:
         digest = hashlib.sha256(self.version.encode())
         arrays, changed, new_leaves = {}, [], []
         for (_, value), entry, old in zip(with_paths, entries, self._leaves, strict=True):
-            new = np.asarray(jax.device_get(value)).astype(old.dtype, copy=False)
+            given = np.asarray(jax.device_get(value))
+            new = given.astype(old.dtype, copy=False)
+            if given.dtype != old.dtype and given.dtype.kind in "iub" and not np.array_equal(
+                new.astype(given.dtype), given
+            ):  # never a silent narrowing: e.g. int64 ids beyond the exported int32
+                raise ValueError(
+                    f"params{entry['name']} is {given.dtype.name} holding values that "
+                    f"{old.dtype.name} (the exported dtype) does not: pass values that fit, "
+                    "or export the model again with this dtype (x64 on)"
+                )
             if new.shape != old.shape:
                 raise ValueError(
                     f"params{entry['name']} is {new.dtype.name}{list(new.shape)}, and the model "
