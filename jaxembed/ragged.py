@@ -61,6 +61,7 @@ __all__ = [
     "check_weights_allowed",
     "global_segments",
     "lengths_from_offsets",
+    "running_sum",
     "segments_from_lengths",
     "to_bag_batch",
     "valid_slots",
@@ -428,6 +429,28 @@ class BagBatch(NamedTuple):
     dense: bool
 
 
+def running_sum(x: jax.Array, axis: int = -1, dtype: Any = None) -> jax.Array:
+    """`jnp.cumsum(x, axis, dtype)` as a parallel prefix (`jax.lax.associative_scan`).
+
+    XLA:CPU lowers `cumsum` to a `reduce-window` that took 10-17 ms over the 835k slots of a
+    16384-bag batch here; the scan takes 3 ms (2-5x at every size measured, 1e3 to 1e6).
+    Integer sums are the same numbers; float sums may round differently (another order).
+
+    Examples:
+      >>> running_sum(jnp.array([1, 0, 2, 3])).tolist()
+      [1, 1, 3, 6]
+    """
+    x = jnp.asarray(x)
+    if dtype is not None:
+        x = x.astype(dtype)
+    elif x.dtype == jnp.bool_:
+        x = x.astype(jnp.int32)
+    n = x.shape[axis]
+    if not isinstance(n, int):  # a symbolic dimension (jax.export): the scan needs its size
+        return jnp.cumsum(x, axis=axis)
+    return x if n <= 1 else jax.lax.associative_scan(jnp.add, x, axis=axis)
+
+
 def segments_from_lengths(lengths: jax.Array, capacity: int) -> jax.Array:
     """The bag index of every slot of a flat block, from the bags' lengths (jit-safe).
 
@@ -448,12 +471,12 @@ def segments_from_lengths(lengths: jax.Array, capacity: int) -> jax.Array:
     lengths = jnp.asarray(lengths)
     lead, num_bags = lengths.shape[:-1], lengths.shape[-1]
     clamped = jnp.clip(lengths, 0, capacity).astype(jnp.int32)
-    ends = jnp.cumsum(clamped, axis=-1).reshape(math.prod(lead), num_bags)  # i32[M, B]
+    ends = running_sum(clamped, axis=-1).reshape(math.prod(lead), num_bags)  # i32[M, B]
 
     def bag_of_slots(ends):  # ends: i32[B] -> i32[N]
         # marks[n]: how many bags end at slot n; their running sum is the bag of slot n.
         marks = jnp.zeros((capacity,), jnp.int32).at[ends].add(1, mode="drop")
-        return jnp.cumsum(marks)
+        return running_sum(marks)
 
     segments = jax.vmap(bag_of_slots)(ends)  # i32[M, N]
     segments = jnp.where(segments < num_bags, segments, -1)

@@ -343,7 +343,8 @@ def _positions(values: jax.Array) -> jax.Array:
     """Each slot's index along the last axis, laid out as `values` (a constant `arange`
     would be replicated, which an Explicit mesh does not mix with a split array)."""
     _, ones = jax.lax.optimization_barrier((values, jnp.ones_like(values, jnp.int32)))
-    return jnp.cumsum(ones, axis=-1) - 1  # not a constant: XLA does not fold it at compile time
+    # not a constant: XLA does not fold it at compile time
+    return ragged.running_sum(ones, axis=-1) - 1
 
 
 def _split(out: jax.Array, pieces, kind: str) -> dict[str, jax.Array]:

@@ -23,6 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxembed.ragged import running_sum
+
 __all__ = [
     "bag_scatter_add",
     "bag_scatter_add_pieces",
@@ -268,9 +270,9 @@ def bucket_ids(
     sorted_dest, sorted_key, order = jax.lax.sort((dest, key, slot), num_keys=2)
     changed = (sorted_dest[1:] != sorted_dest[:-1]) | (sorted_key[1:] != sorted_key[:-1])
     new = jnp.concatenate([jnp.ones((min(m, 1),), bool), changed])
-    rank = jnp.cumsum(new.astype(jnp.int32)) - 1  # distinct id number, in sorted order
+    rank = running_sum(new, dtype=jnp.int32) - 1  # distinct id number, in sorted order
     distinct = jax.ops.segment_sum(new.astype(jnp.int32), sorted_dest, num_segments=n + 1)
-    start = jnp.cumsum(distinct) - distinct  # each bucket's first distinct number
+    start = running_sum(distinct) - distinct  # each bucket's first distinct number
     sorted_pos = rank - start[sorted_dest]
     pos = jnp.zeros((m,), jnp.int32).at[order].set(sorted_pos, unique_indices=True)
     keep = new & (sorted_dest < n) & (sorted_pos < c)

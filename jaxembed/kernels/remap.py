@@ -63,6 +63,7 @@ from jaxembed.dynamic.keys import (
     is_reserved,
     sketch_index,
 )
+from jaxembed.ragged import running_sum
 
 __all__ = [
     "DynamicState",
@@ -272,7 +273,7 @@ def _distinct(config: DynamicTableConfig, flat: jax.Array, bucket: jax.Array):
     sb, shi, slo, order = jax.lax.sort((bucket, flat[:, 1], flat[:, 0], iota), num_keys=3)
     same = (sb[1:] == sb[:-1]) & (shi[1:] == shi[:-1]) & (slo[1:] == slo[:-1])
     new = jnp.concatenate([jnp.ones((1,), bool), ~same])
-    uid = jnp.cumsum(new, dtype=jnp.int32) - 1  # int32[M] distinct number, in sorted order
+    uid = running_sum(new, dtype=jnp.int32) - 1  # int32[M] distinct number, in sorted order
     at = jnp.where(new, uid, m)
     u_bucket = jnp.full((m,), nb, jnp.int32).at[at].set(sb, mode="drop", unique_indices=True)
     u_keys = (
@@ -454,7 +455,7 @@ def step(
     admitted_row = jnp.full((m,), cap, jnp.int32).at[cu].set(new_row, unique_indices=True)
     u_row = jnp.where(hit, hit_row, admitted_row)
     rows = u_row[slot_uid]
-    out_at = jnp.where(assign, jnp.cumsum(assign, dtype=jnp.int32) - 1, m)  # in sort-2 order
+    out_at = jnp.where(assign, running_sum(assign, dtype=jnp.int32) - 1, m)  # in sort-2 order
     reset_rows = jnp.full((m,), cap, jnp.int32).at[out_at].set(new_row, mode="drop")
     evicted_keys = jnp.full((m, 2), EMPTY_HALF, jnp.uint32).at[out_at].set(old_key, mode="drop")
     stats = StepStats(

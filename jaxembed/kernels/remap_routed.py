@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxembed.dynamic.keys import EMPTY_HALF, is_reserved, owner_of
+from jaxembed.ragged import running_sum
 
 __all__ = ["SLACK", "Routes", "capacity", "route", "rows_back", "send_keys"]
 
@@ -77,7 +78,7 @@ def route(keys: jax.Array, num_buckets: int, n: int, seed: int, c: int) -> Route
     # beside the step for the shard counts of one host's devices (a stable sort by owner
     # would do for many more).
     hit = owner[:, None] == jnp.arange(n, dtype=jnp.int32)[None, :]  # bool[m, n]
-    before = jnp.cumsum(hit, axis=0, dtype=jnp.int32) - 1  # i32[m, n]: the slot's rank
+    before = running_sum(hit, axis=0, dtype=jnp.int32) - 1  # i32[m, n]: the slot's rank
     pos = jnp.take_along_axis(before, jnp.minimum(owner, n - 1)[:, None], axis=1)[:, 0]
     pos = jnp.where(owner < n, pos, c)  # i32[m]
     flat = jnp.where((owner < n) & (pos < c), owner * c + pos, n * c)  # i32[m]: its place

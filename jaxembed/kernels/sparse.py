@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxembed.kernels.local import scaled_bag_grads
+from jaxembed.ragged import running_sum
 
 __all__ = ["apply_rows", "bag_apply_rows", "dedup_rows", "row_sum_over"]
 
@@ -45,7 +46,7 @@ def dedup_rows(local: jax.Array, valid: jax.Array, num_rows: int) -> tuple[jax.A
     order = jnp.argsort(key, stable=True)
     sorted_key = key[order]
     first = jnp.concatenate([jnp.ones((1,), bool), sorted_key[1:] != sorted_key[:-1]])
-    position = jnp.cumsum(first.astype(jnp.int32)) - 1  # in sorted order
+    position = running_sum(first, dtype=jnp.int32) - 1  # in sorted order
     which = jnp.zeros((m,), jnp.int32).at[order].set(position, unique_indices=True)
     unique = (num_rows + jnp.arange(m, dtype=jnp.int32)).at[position].set(sorted_key)
     return unique, which
