@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def worker(impl: str, vocab: int, dtype: str, width: int, batch: int, seq: int,
-           steps: int) -> dict[str, Any]:  # fmt: skip
+           steps: int, profile: bool = False) -> dict[str, Any]:  # fmt: skip
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -102,7 +102,18 @@ def worker(impl: str, vocab: int, dtype: str, width: int, batch: int, seq: int,
             loss, params = jitted(params, tokens)
             jax.block_until_ready(params)
             times.append((time.perf_counter() - t0) * 1e3)
-    return {"impl": impl, "vocab": vocab, "dtype": dtype, "loss": float(loss),
+        where = None
+        if profile:  # op spans by category (benchmarks.recsys.hlo_profile), 3 steps
+            from benchmarks.recsys.hlo_profile import breakdown
+
+            box = [params]
+
+            def one(_):
+                _, box[0] = jitted(box[0], tokens)
+                jax.block_until_ready(box[0])
+
+            where = breakdown(one, 3, text, top=12)
+    return {"impl": impl, "vocab": vocab, "dtype": dtype, "loss": float(loss), "profile": where,
             "step_median_in_ms": float(np.median(times)),
             "step_q25_in_ms": float(np.percentile(times, 25)),
             "temp_bytes": int(memory.temp_size_in_bytes),
@@ -114,7 +125,7 @@ def _run(impl, vocab, dtype, opts) -> dict[str, Any]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     code = (f"import json; from benchmarks import llm_head as b; print(json.dumps(b.worker("
             f"{impl!r}, {vocab}, {dtype!r}, {opts.width}, {opts.batch}, {opts.seq}, "
-            f"{opts.steps})))")  # fmt: skip
+            f"{opts.steps}, {opts.profile})))")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=opts.timeout)  # fmt: skip
     if done.returncode:
@@ -132,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--timeout", type=float, default=1200)
+    p.add_argument("--profile", action="store_true",
+                   help="record where each step's time goes (jax.profiler op spans)")
     p.add_argument("--json")
     opts = p.parse_args(argv)
     rows = []

@@ -33,6 +33,8 @@ LAYOUTS = {
     "sequence-parallel": (P("fsdp", "tensor"), P("tensor", "fsdp")),
     "rows-tensor": (P("fsdp"), P("tensor", None)),
     "rows-both": (P("fsdp"), P(("fsdp", "tensor"), None)),
+    # every device holds every token: the plan slices them over fsdp and gathers the table
+    "replicated-tokens": (P(), P("tensor", "fsdp")),
 }
 # hidden given in the layout the logits-psum move runs it in: no reshard before the loss
 ALL_LAYOUTS = {**LAYOUTS, "kernel-layout": (P(None, None, "fsdp"), P("tensor", "fsdp"))}

@@ -160,15 +160,18 @@ def normalize_spec(spec: P, ndim: int) -> P:
     return P(*parts, unreduced=spec.unreduced) if spec.unreduced else P(*parts)
 
 
-def move(a: jax.Array, mesh: Any, spec: P) -> jax.Array:
+def move(a: jax.Array, mesh: Any, spec: P, *, known: P | None = None) -> jax.Array:
     """Puts a small operand in `spec` before a kernel whose `in_specs` say so.
 
     A no-op when `a` is already laid out so, which is the case for every operand whose
     layout jaxembed read or assumed (the kernels move ids themselves, with the plan's
     collectives). Otherwise `device_put` for a concrete array, `reshard` in an Explicit
-    mesh, `with_sharding_constraint` in an Auto one. Never used on a table.
+    mesh, `with_sharding_constraint` in an Auto one. Never used on a table. `known`: the
+    layout `a` has, where the caller knows it and an Auto mesh's tracer would not say (a
+    kernel's output).
     """
-    if mesh is None or normalize_spec(spec_of(a, mesh), a.ndim) == normalize_spec(spec, a.ndim):
+    have = spec_of(a, mesh) if known is None and mesh is not None else known
+    if mesh is None or normalize_spec(have, a.ndim) == normalize_spec(spec, a.ndim):
         return a
     if not isinstance(a, jax.core.Tracer) and isinstance(mesh, jax.sharding.Mesh):
         return jax.device_put(a, NamedSharding(mesh, spec))

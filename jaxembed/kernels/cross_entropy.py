@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxembed.kernels.arrays import move
+from jaxembed.kernels.arrays import eager, move
 from jaxembed.kernels.vocab_args import (
     Reduction,
     check_inputs,
@@ -266,6 +266,8 @@ def _cross_entropy_bwd(plan, mesh, residuals, g):
 
 
 _cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+# An eager call: one compiled program, not the `shard_map` bodies dispatched op by op.
+_cross_entropy_jit = jax.jit(_cross_entropy, static_argnums=(0, 1))
 
 
 # --- the public entry point ----------------------------------------------------------------
@@ -390,8 +392,9 @@ def vocab_parallel_cross_entropy(
     labels = move(labels.astype(jnp.int32), mesh, plan.tokens_spec)  # int32 holds them
     if weights is not None:
         weights = move(weights, mesh, plan.tokens_spec)
-    loss = _cross_entropy(plan, mesh, hidden, table, labels)
+    run = _cross_entropy_jit if eager(hidden, table, labels) else _cross_entropy
+    loss = run(plan, mesh, hidden, table, labels)
     loss = reduce_tokens(loss, labels, weights, ignore_index=plan.ignore_index, reduction=reduction)
-    if reduction == "none":  # a free slice when the tokens were gathered
-        return move(loss, mesh, plan.out_spec)
+    if reduction == "none":  # a slice when the tokens were gathered, a gather when sliced
+        return move(loss, mesh, plan.out_spec, known=plan.tokens_spec)
     return loss

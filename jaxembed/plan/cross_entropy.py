@@ -294,10 +294,16 @@ def plan_cross_entropy(
     )
     plans, refused = {}, ""
     for move in ("none", "gather"):
-        # The gathered table is, to the rule, a table whose hidden axis is whole.
+        # The gathered table is, to the rule, a table whose hidden axis is whole; hidden's
+        # tokens, where K does not split them, are sliced over K (free: every device of K
+        # holds them all), so that each device of K runs its share of the tokens.
         body_w = w_dm if move == "none" else (w_dm[0], -1)
-        forward = cross_entropy_forward(DistSpec(hidden_shape, h_dm), DistSpec(table_shape, body_w))
-        grad = cross_entropy_grad(DistSpec(hidden_shape, h_dm), DistSpec(table_shape, body_w))
+        body_h = h_dm if move == "none" else _tokens_over(h_dm, hidden_shape, hidden_axes,
+                                                          names, sizes)  # fmt: skip
+        forward = cross_entropy_forward(
+            DistSpec(hidden_shape, body_h), DistSpec(table_shape, body_w)
+        )
+        grad = cross_entropy_grad(DistSpec(hidden_shape, body_h), DistSpec(table_shape, body_w))
         batch = tuple(names[a] for a in sorted(grad.outputs[1].partial_dims))
         if move == "gather":
             missing = [a for a in hidden_axes if a not in batch]
@@ -341,6 +347,24 @@ def plan_cross_entropy(
             f"for {other!r}"
         )
     return dataclasses.replace(plans[pick], move_reason=why, alternatives=alternatives)
+
+
+def _tokens_over(h_dm, hidden_shape, axes, names, sizes):
+    """hidden's dims mapping with its tokens also split over the mesh `axes` (names) that no
+    dim of it uses: the first token dim they divide takes them, minor to its own axes. The
+    mapping as given where an axis is used already or no token dim divides."""
+    index = {n: i for i, n in enumerate(names)}
+    used = {a for e in h_dm for a in layout.entry_mesh_axes(e)}
+    free = [index[a] for a in axes if index[a] not in used]
+    if not free:
+        return h_dm
+    for d, e in enumerate(h_dm[:-1]):
+        have = layout.entry_mesh_axes(e)
+        ways = math.prod(sizes[names[a]] for a in (*have, *free))
+        if hidden_shape[d] % ways == 0:
+            entry = layout.normalize_entry((*have, *free))
+            return (*h_dm[:d], entry, *h_dm[d + 1 :])
+    return h_dm
 
 
 def format_mib(n: float) -> str:
@@ -407,7 +431,33 @@ def _priced_collectives(plan: CrossEntropyPlan):
     if move is not None and move[0] != "all_gather":  # hidden_grad back: more than a slice
         out.append(("backward", move[0], move[1], "hidden_grad (estimate)",
                     ring_wire_bytes("all-gather", n(move[1]), move[2] * h_item)))  # fmt: skip
+    sliced = _hidden_slice(plan)
+    if sliced:  # hidden was sliced into the kernel's layout: loss and gradient gather back
+        names = [a for a, _ in plan.mesh_axes]
+        given_dm = layout.to_dims_mapping(plan.given_hidden_spec, names, len(plan.hidden_shape))
+        split = n(tuple(names[a] for e in given_dm for a in layout.entry_mesh_axes(e)))
+        given = math.prod(plan.hidden_shape) // split  # elements a device holds, given layout
+        out.insert(len([c for c in out if c[0] == "forward"]),
+                   ("forward", "all_gather", sliced, "per-token loss (reduction='none')",
+                    ring_wire_bytes("all-gather", n(sliced), given // h * f32)))  # fmt: skip
+        out.append(("backward", "all_gather", sliced, "hidden_grad",
+                    ring_wire_bytes("all-gather", n(sliced), given * h_item)))  # fmt: skip
     return out
+
+
+def _hidden_slice(plan: CrossEntropyPlan) -> tuple[str, ...]:
+    """The mesh axes the kernel's hidden layout adds to the given one where it drops none (a
+    slice in the forward, an all-gather of hidden_grad in the backward)."""
+    if _hidden_move(plan) is not None:
+        return ()
+    names = [a for a, _ in plan.mesh_axes]
+    ndim = len(plan.hidden_shape)
+    given = layout.to_dims_mapping(plan.given_hidden_spec, names, ndim)
+    kernel = layout.to_dims_mapping(plan.hidden_spec, names, ndim)
+    added = set()
+    for g, k in zip(given, kernel, strict=True):
+        added |= set(layout.entry_mesh_axes(k)) - set(layout.entry_mesh_axes(g))
+    return tuple(names[a] for a in sorted(added))
 
 
 def _tokens_move(plan: CrossEntropyPlan) -> tuple[str, ...]:
