@@ -209,5 +209,5 @@ def test_chunked_logits_psum_counts_every_chunk():
     assert [c[4] for c in psums] == [4 * chunk, 4 * chunk]
     compiled = program("kernel-layout", jnp.float32, move="none", chunk=16)[0]
     assert hlo.total_wire_bytes(compiled.as_text()) == plan.wire_bytes
-    # the tokens are not split over fsdp here: no weight gather to offer
+    # hidden's hidden dim takes fsdp here: its tokens cannot split over it, no weight gather
     assert [m for m, _, _ in plan_of("kernel-layout").alternatives] == ["none"]

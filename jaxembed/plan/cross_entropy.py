@@ -9,7 +9,7 @@ sums the hidden gradient over R and the table's over B (see `jaxembed.losses`).
 
 With K split, two moves are priced in ring-model wire bytes (`jaxembed.plan.cost`) and peak
 memory: `"none"` runs every token on every device of K and psums each logits chunk over K;
-`"gather"` (FSDP's weight gather, offered when the tokens stay split over K) all-gathers the
+`"gather"` (FSDP's weight gather; tokens every device of K holds are sliced over K) gathers the
 table's shard over K once in the forward, keeps it for the backward, and reduce-scatters the
 table's gradient back over K, so that no logits cross K. The plan takes the cheaper (or the
 one asked for) and keeps the other's price. Chunks are `"auto"` by default: the largest
@@ -213,11 +213,12 @@ def plan_cross_entropy(
     """Plans a vocab-parallel cross-entropy from the rule `jaxembed.rules.cross_entropy`.
 
     With the table's hidden axis split (K), two moves are priced: `"none"` runs every token
-    on every device of K and psums each logits block over K; `"gather"` (offered when the
-    tokens stay split over K, FSDP's layout) all-gathers the table's shard over K in the
-    forward and again in the backward, and reduce-scatters the table's gradient back over
-    K. `"auto"` takes the one that sends fewer ring-model bytes (ties: less memory); the
-    plan keeps the alternatives (`alternatives`, `move_reason`).
+    on every device of K and psums each logits block over K; `"gather"` (FSDP's layout: the
+    tokens split over K, or sliced over it where every device of K holds them, their loss and
+    gradient gathered back) all-gathers the table's shard over K once in the forward, and
+    reduce-scatters the table's gradient back over K. `"auto"` takes the one that sends
+    fewer ring-model bytes (ties: less memory); the plan keeps the alternatives
+    (`alternatives`, `move_reason`).
 
     Args:
       mesh: a `Mesh` or `AbstractMesh`, or None for one device.
@@ -311,8 +312,9 @@ def plan_cross_entropy(
                 refused = (
                     "the table's hidden axis is not split: there is nothing to gather"
                     if not hidden_axes
-                    else f"the tokens are not split over {tuple(missing)} (gathering the "
-                    "table there would not make each device's share of the work smaller)"
+                    else f"hidden uses {tuple(missing)} for another dim, or no token dim "
+                    "divides over them (gathering the table there would not make each "
+                    "device's share of the work smaller)"
                 )
                 continue
         partial = dataclasses.replace(
@@ -327,7 +329,8 @@ def plan_cross_entropy(
         plans[move] = dataclasses.replace(partial, chunk_rows=chunk, chunk_reason=why)
     if table_move == "gather" and "gather" not in plans:
         raise ValueError(
-            f"table_move='gather' needs the tokens split over the table's hidden axes, but "
+            f"table_move='gather' needs hidden's tokens split (or free to split) over the "
+            f"table's hidden axes, but "
             f"{refused}: hidden {common['given_hidden_spec']}, table "
             f"{common['weight_spec']}; "
             + (f"split hidden's tokens over {hidden_axes}, or " if hidden_axes else "")
