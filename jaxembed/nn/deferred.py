@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxembed.kernels.arrays import spec_of
 from jaxembed.kernels.cross_entropy import vocab_parallel_cross_entropy
 from jaxembed.nn.common import as_spec, tied_logits
+from jaxembed.plan.cross_entropy import CrossEntropyPlan, plan_cross_entropy
 
 __all__ = ["DeferredLogits", "cross_entropy", "deferred_logits", "deferring"]
 
@@ -150,6 +152,29 @@ class DeferredLogits:
         return vocab_parallel_cross_entropy(
             self.query, self.table, labels, vocab_size=self.vocab_size, mesh=self.mesh,
             hidden_spec=spec, weight_spec=self.weight_spec, **options,
+        )  # fmt: skip
+
+    def plan(self, *, query_sharding: Any = None, **options: Any) -> CrossEntropyPlan:
+        """The plan `cross_entropy` would run (`jaxembed.losses.plan_cross_entropy`): its
+        layouts, chunks, move and every collective with its bytes; `print` it.
+
+        Args:
+          query_sharding: as `cross_entropy`'s.
+          **options: `cross_entropy`'s keywords; those that do not change the plan
+            (`reduction`, `weights`) are ignored.
+        """
+        spec = as_spec(query_sharding) if query_sharding is not None else self.query_sharding
+        options = {k: v for k, v in options.items() if k not in ("reduction", "weights")}
+        mesh = self.mesh
+        if spec is None and mesh is not None:
+            spec = spec_of(self.query, mesh)
+        w_spec = self.weight_spec
+        if w_spec is None and mesh is not None:
+            w_spec = spec_of(self.table, mesh)
+        return plan_cross_entropy(
+            mesh, self.query.shape, self.table.shape, hidden_spec=spec, weight_spec=w_spec,
+            vocab_size=self.vocab_size, dtype=self.query.dtype, table_dtype=self.table.dtype,
+            **options,
         )  # fmt: skip
 
     def materialize(self, out_sharding: Any = None) -> jax.Array:
