@@ -9,6 +9,7 @@
     python -m benchmarks --calibrate             # the cost model's CPU constants
     python -m benchmarks grid                    # 1 device against FBGEMM's TBE, a grid of cells
     python -m benchmarks defaults                # the planner and 8 devices, as users write them
+    python -m benchmarks quant-sweep             # quantized pooled lookups against FBGEMM, a sweep
     jaxembed bench ...                           # the same, from a checkout
 
 One sub-package per capability, each with its own `bench.py` (`main` and a library function):
@@ -53,6 +54,7 @@ SUBCOMMANDS = {
     "dynamic-dlrm": "benchmarks.dynamic.dlrm_step",
     "dynamic-sharded": "benchmarks.dynamic.sharded",
     "quant-fbgemm": "benchmarks.quant.fbgemm",
+    "quant-sweep": "benchmarks.quant.sweep",
     "grid": "benchmarks.grid.bench",
     "defaults": "benchmarks.defaults",
     "llm-head": "benchmarks.llm_head",

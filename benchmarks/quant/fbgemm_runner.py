@@ -15,11 +15,22 @@ fp8's format as `fp8_exponent_bits` and `fp8_exponent_bias` (default 4 and 7, ja
 
 Importing this module does not import torch: `require()` does, after setting
 `OMP_WAIT_POLICY=PASSIVE` (idle OpenMP threads that spin take the cores of a shared machine).
+
+As a child process of the sweep (`benchmarks.quant.sweep`), in a Python that has torch and
+fbgemm_gpu but no jax, it times one table's cells (`benchmarks.quant.cells`) at each thread
+count asked, with `OMP_WAIT_POLICY` set before torch loads (`default` leaves libgomp's, which
+spins), reads its weights back to check they are the table's bytes, and saves each cell's
+first output for the driver's checks:
+
+    python -m benchmarks.quant.fbgemm_runner --group DIR --out fb.json --threads 1 2 \\
+        --omp-wait-policy passive
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -27,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["INSTALL_HINT", "IntNBitTables", "require", "versions"]
+__all__ = ["INSTALL_HINT", "IntNBitTables", "main", "require", "run_group", "versions"]
 
 INSTALL_HINT = (
     "install the CPU wheels of the repo's bench-torchrec extra: "
@@ -112,7 +123,7 @@ class IntNBitTables:
             specs, pooling_mode=PoolingMode.SUM, device="cpu",
             output_dtype=SparseType.FP32, **fp8,
         )  # fmt: skip
-        self.module.fill_random_weights()  # allocates the weights; `load` overwrites them
+        self.module.initialize_weights()  # allocates the weights; `load` writes them
         self.precision, self.num_tables, self.rows, self.dim = precision, num_tables, rows, dim
 
     @property
@@ -149,6 +160,15 @@ class IntNBitTables:
         offsets = torch.arange(0, t * b * length + 1, length, dtype=torch.int32)
         return indices, offsets
 
+    def csr_inputs(self, values: np.ndarray, lengths: np.ndarray) -> tuple[Any, Any]:
+        """`(indices, offsets)` for one table's bags in CSR form: ids `values [N]`, bag b the
+        next `lengths[b]` of them (int32 tensors)."""
+        import torch
+
+        offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32)
+        indices = np.ascontiguousarray(values, np.int32)
+        return torch.from_numpy(indices), torch.from_numpy(offsets)
+
     def pooled(self, indices: Any, offsets: Any) -> np.ndarray:
         """The forward's float32 `[B, T*D]` (table t's bag b in `[b, t*D:(t+1)*D]`)."""
         import torch
@@ -167,3 +187,71 @@ class IntNBitTables:
                 return module(indices, offsets)
 
         return run
+
+
+# --- the sweep's child process ----------------------------------------------------------------
+
+
+def run_group(args: argparse.Namespace) -> dict[str, Any]:
+    """Times every cell of one table group (`--group`: `cells.write_table`'s files and
+    `cells.json`) at each `--threads`; the record (see the module docstring)."""
+    require(args.omp_wait_policy)
+    import torch
+
+    from benchmarks.grid.runner import timed
+    from benchmarks.quant import cells as C
+
+    with open(os.path.join(args.group, "cells.json")) as f:
+        group = json.load(f)
+    data, scale, bias = C.read_table(args.group)
+    table = IntNBitTables(group["precision"], 1, group["rows"], group["dim"])
+    table.load([C.fused_rows(data, scale, bias)])
+    back = table._weights()[0].numpy()  # the TBE's rows as it holds them (no copy)
+    params = np.ascontiguousarray(back[:, :4]).view(np.uint16)  # [V, 2]
+    same = (np.array_equal(back[:, 4:], data)
+            and np.array_equal(params[:, 0], scale.view(np.uint16))
+            and np.array_equal(params[:, 1], bias.view(np.uint16)))  # fmt: skip
+    record: dict[str, Any] = {**versions(), "same_bytes": bool(same), "cells": {}}
+    record.pop("torch_num_threads")
+    for k, cell in enumerate(group["cells"]):
+        inputs = [table.csr_inputs(v, n) for v, n in C.read_ids(cell["ids"])]
+        out = table.pooled(*inputs[0])
+        np.save(os.path.join(args.group, f"fbgemm-{args.omp_wait_policy}-{k}.npy"), out)
+        by_threads = {}
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+
+            def step(i, inputs=inputs):
+                with torch.inference_mode():
+                    table.module(*inputs[i % len(inputs)])
+
+            by_threads[str(threads)] = timed(step, args.steps, args.warmup)
+        record["cells"][cell["name"]] = by_threads
+    return record
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m benchmarks.quant.fbgemm_runner --group DIR --out PATH [...]`."""
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.quant.fbgemm_runner",
+        description="FBGEMM's side of the quantized sweep (a child).",
+    )
+    p.add_argument("--group", required=True, help="a table group's directory")
+    p.add_argument("--out", required=True, help="the JSON record to write")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--omp-wait-policy", default="default", choices=("default", "passive", "active"))
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    args = p.parse_args(argv)
+    try:
+        record, status = run_group(args), 0
+    except Exception as e:  # the driver records it and goes on
+        record, status = {"error": f"{type(e).__name__}: {e}"}, 1
+    record["loadavg"] = list(os.getloadavg())
+    with open(args.out, "w") as f:
+        json.dump(record, f)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

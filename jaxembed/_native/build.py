@@ -81,6 +81,7 @@ TARGETS = {
     "jaxembed_quant_gather_rows": "JaxembedQuantGatherRows",
     "jaxembed_quant_pool_sum": "JaxembedQuantPoolSum",
     "jaxembed_quant_pool_max": "JaxembedQuantPoolMax",
+    "jaxembed_quant_pool_bags": "JaxembedQuantPoolBags",
 }
 UNITS = ("embedding_kernels.cc", "remap_kernels.cc", "quant_kernels.cc")  # one library
 

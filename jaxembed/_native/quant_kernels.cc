@@ -1,7 +1,10 @@
 // jaxembed's native CPU kernels for row-wise quantized tables: the shard-local gather_rows,
 // pool_sum and pool_max of jaxembed/kernels/quant.py as XLA FFI handlers, unpacking,
 // dequantizing and pooling each row in one pass over its packed bytes (no float row is ever
-// stored, only the pooled sums or the gathered rows the caller asked for).
+// stored, only the pooled sums or the gathered rows the caller asked for); and pool_bags, a
+// one-device sum / mean / sqrtn lookup read from the caller's ids as they are (dense [G, L]
+// with negative ids as empty slots, or flat [G, N] with lengths [G, B]), which finds the bags,
+// the live slots and their factors itself, so the compiled program is this one call.
 //
 // Shapes (per shard): data u8[R, Bq] (a row's H values packed, Bq = H·bits/8, value c in byte
 // c / n at bit (c % n)·bits, n = 8 / bits), scale and bias f16[R] (int8 may have f32[R]; fp8
@@ -44,8 +47,10 @@
 // radix sort of the live slots by bag (common.h's SortSlotsByKey) lists each bag's slots.
 //
 // Every index is bounds-checked: a valid slot's row is clamped into [0, R) (the XLA twin's
-// mode="clip"), a slot counts for a bag only when valid and 0 <= segment < S. Bad shapes,
-// dtypes and attributes return an ffi::Error naming the value and the limit.
+// mode="clip"), a slot counts for a bag only when valid and 0 <= segment < S (pool_bags: when
+// its id is in [0, vocab_size) and not the padding id; its bags' bounds are clamped into the
+// slots). Bad shapes, dtypes and attributes return an ffi::Error naming the value and the
+// limit.
 
 #include <algorithm>
 #include <atomic>
@@ -579,17 +584,21 @@ struct SlotLive {
   }
 };
 
-// Where every bag's slots are. Bag s's slots are the positions p in [begin[s], begin[s + 1]):
-// slot p itself when `in_place` (then only the live ones count: the others belong to no bag
-// or to a bag that has no live slot there), else slot sorted.slots[p].
+// Where every bag's slots are. Bag s's slots are the positions p in [begin[s], end(s)), end(s)
+// = begin[s + 1] unless `ends` is given: slot p itself when `in_place` (then only the live ones
+// count: the others belong to no bag or to a bag that has no live slot there), else slot
+// sorted.slots[p]. `begin` never decreases; with `ends`, positions between a bag's end and
+// the next bag's begin belong to no bag (the flat form's slots past a block's total).
 struct Bags {
   bool in_place = true;
   bool all_live = false;      // in place, and every slot is live: no slot needs a check
   bool unit_weights = false;  // every weight is exactly 1 (pool_sum): none is read
   std::vector<int64_t> begin;  // [S + 1]
+  std::vector<int64_t> ends;   // [S], or empty: bag s ends where bag s + 1 begins
   SortedSlots sorted;
 
   int64_t positions(int64_t S) const { return begin[S]; }
+  int64_t end(int64_t s) const { return ends.empty() ? begin[s + 1] : ends[s]; }
 };
 
 // Builds `Bags` for the live slots (`SlotLive`); `weights` (f32[M], or null) for
@@ -699,12 +708,12 @@ Bags LayOutBags(int64_t M, int64_t S, const int32_t* seg, const bool* valid,
 }
 
 // Calls bag(s, visit) for every bag s in [0, S), each on one thread; `visit(first, f)` calls
-// f(i) for the bag's live slots i in slot order and, when `first` (a bag pooled in several
-// column blocks prefetches in its first only), `prefetch(j)` for the slot j kPrefetchAhead
-// positions ahead (a slot that is not live may be prefetched: its row is clamped into the
-// table, so the prefetch is only wasted).
-template <class Prefetch, class BagFn>
-void ForEachBag(const Bags& bags, int64_t S, const SlotLive& live, const Prefetch& prefetch,
+// f(i) for the bag's live slots i (`live(i)`, e.g. `SlotLive`) in slot order and, when `first`
+// (a bag pooled in several column blocks prefetches in its first only), `prefetch(j)` for the
+// slot j kPrefetchAhead positions ahead (a slot that is not live may be prefetched: its row is
+// clamped into the table, so the prefetch is only wasted).
+template <class Live, class Prefetch, class BagFn>
+void ForEachBag(const Bags& bags, int64_t S, const Live& live, const Prefetch& prefetch,
                 Team& team, const BagFn& bag) {
   const int64_t total = bags.positions(S);
   const int64_t* begin = bags.begin.data();
@@ -726,7 +735,7 @@ void ForEachBag(const Bags& bags, int64_t S, const SlotLive& live, const Prefetc
          c = next.fetch_add(1, std::memory_order_relaxed)) {
       const int64_t lo = first_bag(c), hi = std::max(lo, first_bag(c + 1));
       for (int64_t s = lo; s < hi; ++s) {
-        const int64_t a = begin[s], b = begin[s + 1];
+        const int64_t a = begin[s], b = bags.end(s);
         auto visit = [&](bool first, const auto& f) JAXEMBED_INLINE {
           const int64_t ahead = first ? std::max(a, std::min(b, stop)) : a;  // [a, ahead) do
           if (sorted != nullptr) {
@@ -784,10 +793,11 @@ inline void ForEachBlock(int64_t vec, const Block& block) {
 
 // ---- pool_sum ---------------------------------------------------------------------------------
 
-// out[s] = Σ weight[i] · row(i) over bag s's slots, in slot order from 0 (the columns in blocks
-// of up to 128 held in registers, then the last H % 16 one at a time).
-template <bool kUnitWeights, class Rows, class Visit>
-void SumBag(const Rows& rows, const int32_t* local, const float* weights, int64_t H, float* dst,
+// out[s] = Σ weight(i) · row(i) over bag s's slots, in slot order from 0 (the columns in blocks
+// of up to 128 held in registers, then the last H % 16 one at a time); with kUnitWeights no
+// weight is asked for (each is 1).
+template <bool kUnitWeights, class Rows, class Weight, class Visit>
+void SumBag(const Rows& rows, const int32_t* local, const Weight& weight, int64_t H, float* dst,
             const Visit& visit) {
   const int64_t R = rows.R;
   bool first = true;
@@ -802,7 +812,7 @@ void SumBag(const Rows& rows, const int32_t* local, const float* weights, int64_
       const int64_t r = ClampRow(local[i], R);
       const uint8_t* row = rows.Row(r);
       const auto dec = rows.DecoderOf(r);
-      const float w = kUnitWeights ? 1.0f : weights[i];
+      const float w = kUnitWeights ? 1.0f : weight(i);
       if (kUnitWeights || w == 1.0f) {  // x · 1 is x: the multiply is skipped, the result the same
         for (int j = 0; j < NV; ++j) {
           acc[j] = _mm512_add_ps(acc[j], rows.Vector(row, c + j * kLanes, dec));
@@ -829,7 +839,7 @@ void SumBag(const Rows& rows, const int32_t* local, const float* weights, int64_
         const int64_t r = ClampRow(local[i], R);
         const uint8_t* row = rows.Row(r);
         const auto dec = rows.Decoder8Of(r);
-        const float w = kUnitWeights ? 1.0f : weights[i];
+        const float w = kUnitWeights ? 1.0f : weight(i);
         if (kUnitWeights || w == 1.0f) {
           for (int j = 0; j < NV; ++j) {
             acc[j] = _mm256_add_ps(acc[j], rows.Vector8(row, c + j * 8, dec));
@@ -869,7 +879,7 @@ void SumBag(const Rows& rows, const int32_t* local, const float* weights, int64_
     const uint8_t* row = rows.Row(r);
     float s, b;
     rows.Params(r, &s, &b);
-    const float w = kUnitWeights ? 1.0f : weights[i];
+    const float w = kUnitWeights ? 1.0f : weight(i);
     for (int64_t h = c; h < H; ++h) dst[h] = dst[h] + rows.Value(row, h, s, b) * w;
   });
 }
@@ -903,9 +913,11 @@ ffi::Error QuantPoolSumImpl(ffi::Buffer<ffi::U8> data, ffi::AnyBuffer scale, ffi
   const int32_t* loc = local.typed_data();
   DispatchTable(t, data, scale, bias, [&](const auto& rows) {
     auto prefetch = [&](int64_t i) JAXEMBED_INLINE { rows.Prefetch(ClampRow(loc[i], R)); };
+    const float* w = weights.typed_data();
+    auto weight = [w](int64_t i) JAXEMBED_INLINE { return w[i]; };
     auto pool = [&](auto unit) {
       ForEachBag(bags, S, live, prefetch, team, [&](int64_t s, const auto& visit) {
-        SumBag<decltype(unit)::value>(rows, loc, weights.typed_data(), t.H, o + s * t.H, visit);
+        SumBag<decltype(unit)::value>(rows, loc, weight, t.H, o + s * t.H, visit);
       });
     };
     if (bags.unit_weights) {
@@ -913,6 +925,164 @@ ffi::Error QuantPoolSumImpl(ffi::Buffer<ffi::U8> data, ffi::AnyBuffer scale, ffi
     } else {
       pool(std::false_type{});
     }
+  });
+  return ffi::Error::Success();
+}
+
+// ---- pool_bags: sum, mean and sqrtn bags read from the ids as the caller holds them ------------
+
+// Whether slot i of pool_bags reads a row: its id in [0, vocab) and not the padding id (-1 for
+// none: no id in range is -1).
+struct IdLive {
+  const int32_t* ids;
+  int64_t vocab, padding;
+  JAXEMBED_INLINE bool operator()(int64_t i) const {
+    const int64_t id = ids[i];
+    return static_cast<uint64_t>(id) < static_cast<uint64_t>(vocab) && id != padding;
+  }
+};
+
+enum class Combiner { kSum, kMean, kSqrtn };
+
+bool ParseCombiner(std::string_view name, Combiner* out) {
+  if (name == "sum") {
+    *out = Combiner::kSum;
+  } else if (name == "mean") {
+    *out = Combiner::kMean;
+  } else if (name == "sqrtn") {
+    *out = Combiner::kSqrtn;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// The bags of ids [G, N] as `Bags` in place, positions the flat slots g·N + n. Dense form: bag g
+// is row g. Flat form (lengths [G, B]): block g's bag b is the next clamp(lengths[g, b], 0, N)
+// slots of its N, cut at N; the slots past a block's total belong to no bag (jaxembed.ragged's
+// segments_from_lengths, its running sums taken in 64 bits).
+Bags BagsOfForm(bool dense, int64_t G, int64_t N, int64_t B, const int32_t* lengths) {
+  Bags bags;
+  if (dense) {
+    bags.begin.resize(G + 1);
+    for (int64_t g = 0; g <= G; ++g) bags.begin[g] = g * N;
+    return bags;
+  }
+  const int64_t S = G * B;
+  bags.begin.resize(S + 1);
+  bags.ends.resize(S);
+  int64_t last = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    int64_t total = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t s = g * B + b;
+      bags.begin[s] = g * N + std::min(total, N);
+      total += std::clamp<int64_t>(lengths[s], 0, N);
+      last = bags.ends[s] = g * N + std::min(total, N);
+    }
+  }
+  bags.begin[S] = last;
+  return bags;
+}
+
+// pool_bags: each bag pooled straight from the ids as given (no valid, segment or factor arrays
+// built by XLA first): a slot reads a row when `IdLive`; its factor is its weight (1 when none)
+// for sum, and weight / Σ weight (mean) or weight / √Σ weight² (sqrtn) over the bag's live
+// slots, 0 where that sum is 0, the sum taken in slot order from 0 (jaxembed.ragged.bag_scales'
+// segment_sum); then SumBag, as pool_sum pools (bitwise: the same factors, the same order).
+ffi::Error QuantPoolBagsImpl(ffi::Buffer<ffi::U8> data, ffi::AnyBuffer scale, ffi::AnyBuffer bias,
+                             ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> lengths,
+                             ffi::Buffer<ffi::F32> weights, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                             std::string_view precision, int64_t exponent_bits,
+                             int64_t exponent_bias, int64_t num_threads,
+                             std::string_view combiner, int64_t vocab_size, int64_t padding_idx,
+                             int64_t dense) {
+  constexpr const char* k = "quant pool_bags";
+  if (auto e = CheckThreadCount(k, num_threads); e.failure()) return e;
+  Table t;
+  if (auto e = CheckTable(k, precision, exponent_bits, exponent_bias, data, scale, bias, &t);
+      e.failure()) {
+    return e;
+  }
+  Combiner how;
+  if (!ParseCombiner(combiner, &how)) {
+    return Invalid(k, "unknown combiner '" + std::string(combiner) +
+                          "': expected sum, mean or sqrtn (max pools through pool_max)");
+  }
+  if (vocab_size < 0 || vocab_size > t.R) {
+    return Invalid(k, "vocab_size=" + std::to_string(vocab_size) + " is outside [0, " +
+                          std::to_string(t.R) + "] (the table's rows)");
+  }
+  if (padding_idx != -1 && (padding_idx < 0 || padding_idx >= vocab_size)) {
+    return Invalid(k, "padding_idx=" + std::to_string(padding_idx) + " is outside [0, " +
+                          std::to_string(vocab_size) + ") (or -1 for none)");
+  }
+  if (ids.dimensions().size() != 2) {
+    return Invalid(k, "ids must be [G, N] (blocks, slots a block), got shape " +
+                          Dims(ids.dimensions()));
+  }
+  const int64_t G = ids.dimensions()[0], N = ids.dimensions()[1], M = G * N;
+  int64_t B = 1;
+  if (dense != 0) {
+    if (lengths.element_count() != 0) {
+      return Invalid(k, "the dense form (a bag a row of ids) takes no lengths: pass an empty "
+                        "[0] array, got shape " + Dims(lengths.dimensions()));
+    }
+  } else {
+    const auto d = lengths.dimensions();
+    if (d.size() != 2 || d[0] != G) {
+      return Invalid(k, "lengths has shape " + Dims(d) + ", ids " + Dims(ids.dimensions()) +
+                            ": the flat form takes lengths [G, B], a row a block of ids");
+    }
+    B = d[1];
+  }
+  const bool weighted = weights.element_count() != 0;
+  if (weighted && (weights.dimensions().size() != 2 || weights.dimensions()[0] != G ||
+                   weights.dimensions()[1] != N)) {
+    return Invalid(k, "weights has shape " + Dims(weights.dimensions()) + ", ids " +
+                          Dims(ids.dimensions()) + ": a weight a slot, or an empty [0] array");
+  }
+  const int64_t S = G * B;
+  if (auto e = CheckShape(k, "out", out->dimensions(), {S, t.H}); e.failure()) return e;
+  if (S * t.H == 0) return ffi::Error::Success();
+  float* o = out->typed_data();
+  if (t.R == 0 || M == 0) {  // no row or no slot: every bag is empty
+    std::memset(o, 0, S * t.H * sizeof(float));
+    return ffi::Error::Success();
+  }
+  const Bags bags = BagsOfForm(dense != 0, G, N, B, lengths.typed_data());
+  const int32_t* id = ids.typed_data();
+  const float* w = weighted ? weights.typed_data() : nullptr;
+  const IdLive live{id, vocab_size, padding_idx};
+  Team team(ThreadsFor(num_threads, std::max(M, S)));
+  DispatchTable(t, data, scale, bias, [&](const auto& rows) {
+    const int64_t R = t.R, H = t.H;
+    auto prefetch = [&](int64_t i) JAXEMBED_INLINE {
+      const int64_t r = id[i];
+      if (static_cast<uint64_t>(r) < static_cast<uint64_t>(R)) rows.Prefetch(r);
+    };
+    ForEachBag(bags, S, live, prefetch, team, [&](int64_t s, const auto& visit) {
+      float* dst = o + s * H;
+      if (how == Combiner::kSum) {
+        if (w == nullptr) {
+          SumBag<true>(rows, id, [](int64_t) JAXEMBED_INLINE { return 1.0f; }, H, dst, visit);
+        } else {
+          SumBag<false>(rows, id, [w](int64_t i) JAXEMBED_INLINE { return w[i]; }, H, dst, visit);
+        }
+        return;
+      }
+      float denom = 0.0f;  // Σ w or Σ w² over the live slots, in slot order (no prefetch)
+      visit(false, [&](int64_t i) JAXEMBED_INLINE {
+        const float x = w == nullptr ? 1.0f : w[i];
+        denom = denom + (how == Combiner::kMean ? x : x * x);
+      });
+      if (how == Combiner::kSqrtn) denom = std::sqrt(denom);
+      const bool nonzero = denom != 0.0f;  // NaN too: it divides, as XLA's where(sum != 0)
+      auto factor = [w, denom, nonzero](int64_t i) JAXEMBED_INLINE {
+        return nonzero ? (w == nullptr ? 1.0f : w[i]) / denom : 0.0f;
+      };
+      SumBag<false>(rows, id, factor, H, dst, visit);
+    });
   });
   return ffi::Error::Success();
 }
@@ -1079,3 +1249,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedQuantPoolMax,
                                   .Attr<int64_t>("exponent_bits")
                                   .Attr<int64_t>("exponent_bias")
                                   .Attr<int64_t>("num_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedQuantPoolBags,
+                              jaxembed::Safe<jaxembed::QuantPoolBagsImpl>::Call,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // data
+                                  .Arg<ffi::AnyBuffer>()         // scale
+                                  .Arg<ffi::AnyBuffer>()         // bias
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // ids [G, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // lengths [G, B], or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // weights [G, N], or [0]
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<std::string_view>("precision")
+                                  .Attr<int64_t>("exponent_bits")
+                                  .Attr<int64_t>("exponent_bias")
+                                  .Attr<int64_t>("num_threads")
+                                  .Attr<std::string_view>("combiner")
+                                  .Attr<int64_t>("vocab_size")
+                                  .Attr<int64_t>("padding_idx")
+                                  .Attr<int64_t>("dense"));

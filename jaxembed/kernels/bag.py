@@ -503,8 +503,16 @@ _local_bag_jit = jax.jit(_local_bag, static_argnums=(0,))
 
 
 def _quantized_bag(plan: EmbeddingPlan, operands: tuple, table: Any):
-    """A quantized table's one-device lookup: the forward body alone (it has no gradient)."""
-    return _forward_body(plan, *operands, table)[0]
+    """A quantized table's one-device lookup (it has no gradient): sum, mean and sqrtn bags in
+    one native call on the operands as given (`quant_native.pool_bags`: no XLA work around
+    it), max bags through the forward body."""
+    if plan.bag.combiner == "max":
+        return _forward_body(plan, *operands, table)[0]
+    bags = _unpack(plan, operands)
+    return kernels_for(plan, table).pool_bags(
+        table, bags.ids, bags.lengths, bags.weights, combiner=plan.bag.combiner,
+        vocab_size=plan.vocab_size, padding_idx=plan.padding_idx,
+    )  # fmt: skip
 
 
 _quantized_bag_jit = jax.jit(_quantized_bag, static_argnums=(0,))

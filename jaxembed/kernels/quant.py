@@ -6,7 +6,10 @@ packed bytes (and its row's scale and bias), unpack them with shifts and masks a
 as `q · scale + bias` (fp8: its code's value) in the same fusion, so the float rows exist only
 for the slots looked up, never for the table. They lower to plain StableHLO (no custom call),
 so a serving function exported with them runs wherever jax does, CPU, GPU or TPU, and they are
-the reference any native quantized kernel is tested against.
+the reference any native quantized kernel is tested against. `pool_bags` is the whole
+one-device pooled lookup of sum, mean and sqrtn bags in one call, from the bags as the caller
+holds them (dense ids, or flat ids and lengths, and weights): the canonical form
+(`jaxembed.ragged`), each slot's factor, then `pool_sum`.
 
 A shard is a `QuantizedTable` of one device's blocks, as a `shard_map` body over
 `table.specs(weight_spec)` sees it: `data u8[V/R, B/K]`, `scale`, `bias f16[V/R]` (None for
@@ -22,12 +25,18 @@ Examples:
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
+from jaxembed import ragged
 from jaxembed.quant import QuantizedTable, decode
 
-__all__ = ["gather_rows", "pool_max", "pool_sum"]
+__all__ = ["POOLED_COMBINERS", "gather_rows", "pool_bags", "pool_max", "pool_sum"]
+
+POOLED_COMBINERS = ("sum", "mean", "sqrtn")
+"""The combiners `pool_bags` pools (weighted sums of the bags' rows)."""
 
 
 def _take(table: QuantizedTable, rows: jax.Array) -> QuantizedTable:
@@ -106,3 +115,54 @@ def pool_max(
     slot = jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32)[:, None], rows.shape)
     winners = jax.ops.segment_min(jnp.where(hit, slot, m), seg, num_segments=num_segments + 1)
     return maxima[:num_segments], jnp.minimum(winners[:num_segments], m)
+
+
+def pool_bags(
+    table: QuantizedTable,
+    ids: jax.Array,
+    lengths: jax.Array | None = None,
+    weights: jax.Array | None = None,
+    *,
+    combiner: str = "sum",
+    vocab_size: int | None = None,
+    padding_idx: int | None = None,
+) -> jax.Array:
+    """Sum, mean or sqrtn bags pooled from a quantized table, the bags read as given.
+
+    One device's whole pooled lookup (`jaxembed.embedding_bag`'s semantics): a slot reads a
+    row when its id is in `[0, vocab_size)` and not `padding_idx` (negative ids are empty
+    slots); its factor is `jaxembed.ragged.bag_scales`'; the bags pool as `pool_sum`.
+
+    Args:
+      table: a `QuantizedTable` (or one device's shard of whole rows), `data u8[V, B]`.
+      ids: int `[*batch, L]`, a bag a row (no `lengths`), or `[*lead, N]` with `lengths`.
+      lengths: int `[*lead, B]`: bag b is the next `lengths[..., b]` ids; or None.
+      weights: float, shaped like `ids`, or None.
+      combiner: `"sum"`, `"mean"` or `"sqrtn"` (max: `pool_max`).
+      vocab_size: the rows ids may read (default: the table's).
+      padding_idx: an id that reads nothing and is not counted, or None.
+
+    Returns:
+      f32 `[*batch, H]` (dense ids) or `[*lead, B, H]`.
+
+    Raises:
+      ValueError: a combiner other than sum, mean and sqrtn; and `jaxembed.ragged.to_bag_batch`'s
+        errors for malformed bags.
+    """
+    if combiner not in POOLED_COMBINERS:
+        raise ValueError(
+            f"pool_bags pools {', '.join(POOLED_COMBINERS)} bags, got combiner={combiner!r}: "
+            "max bags pool with pool_max"
+        )
+    batch = ragged.to_bag_batch(ids, lengths=lengths, per_id_weights=weights)
+    vocab = table.rows if vocab_size is None else int(vocab_size)
+    valid = ragged.valid_slots(batch, vocab, padding_idx)
+    scale = ragged.bag_scales(valid, batch.segments, batch.weights, batch.num_bags, combiner)
+    seg = ragged.global_segments(jnp.where(valid, batch.segments, -1), batch.num_bags)
+    lead = batch.ids.shape[:-1]
+    local = jnp.where(valid, batch.ids, 0).reshape(-1)
+    num = math.prod(lead) * batch.num_bags
+    pooled = pool_sum(table, local, valid.reshape(-1), seg.reshape(-1), scale.reshape(-1), num)
+    if batch.dense:
+        return pooled.reshape(*lead, table.dim)
+    return pooled.reshape(*lead, batch.num_bags, table.dim)

@@ -13,6 +13,13 @@ the collectives stay in JAX.
     native                      XLA twin
     gather_rows                 quant.gather_rows
     pool_sum, pool_max          quant.pool_sum, quant.pool_max
+    pool_bags                   quant.pool_bags (one device's whole sum / mean / sqrtn lookup)
+
+`pool_bags` takes the bags as the caller holds them, dense ids `[*batch, L]` with negative ids
+as empty slots, or flat ids `[*lead, N]` with `lengths [*lead, B]`, and weights if any: the
+kernel finds each bag's slots, which ids read a row and each slot's factor itself, so the
+compiled program is this one custom call on the caller's arrays (the twin builds the
+canonical form, a valid mask, segment ids and factors, `[M]` each, in XLA first).
 
 Results: bitwise the XLA twin's under `jit`. Each value is `q · scale + bias` in float32
 rounded once (the f16 scale and bias widened exactly; fp8: its code's value), as XLA:CPU fuses
@@ -42,17 +49,20 @@ Examples:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxembed.ids import as_ids
 from jaxembed.kernels import native
+from jaxembed.kernels.quant import POOLED_COMBINERS
 from jaxembed.quant import QuantizedTable
 from jaxembed.quant.format import check_fp8_format, check_precision
 
-__all__ = ["available", "gather_rows", "pool_max", "pool_sum"]
+__all__ = ["available", "gather_rows", "pool_bags", "pool_max", "pool_sum"]
 
 available = native.available
 
@@ -195,3 +205,116 @@ def pool_max(
     maxima, winners = native._call("jaxembed_quant_pool_max", out, *operands, *args,
                                    num_threads=threads, **attrs)  # fmt: skip
     return maxima, winners
+
+
+def pool_bags(
+    table: QuantizedTable,
+    ids: jax.Array,
+    lengths: jax.Array | None = None,
+    weights: jax.Array | None = None,
+    *,
+    combiner: str = "sum",
+    vocab_size: int | None = None,
+    padding_idx: int | None = None,
+) -> jax.Array:
+    """Sum, mean or sqrtn bags pooled from a quantized table, the bags read as given.
+
+    `jaxembed.kernels.quant.pool_bags` (same arguments, same results, bitwise) in one custom
+    call on the caller's arrays: the kernel walks each bag's slots in place (a row of dense
+    ids; the next `lengths[..., b]` flat ids, cut at the capacity), skips the ids outside
+    `[0, vocab_size)` and `padding_idx`, and scales each slot as `jaxembed.ragged.bag_scales`
+    does (its weight; over Σ weight or √Σ weight² of its bag's slots for mean and sqrtn,
+    summed in slot order), one thread a bag.
+
+    Args:
+      table: a `QuantizedTable` (or one device's shard of whole rows), `data u8[V, B]`.
+      ids: int `[*batch, L]`, a bag a row (no `lengths`), or `[*lead, N]` with `lengths`.
+      lengths: int `[*lead, B]`: bag b is the next `lengths[..., b]` ids; or None.
+      weights: float, shaped like `ids`, or None.
+      combiner: `"sum"`, `"mean"` or `"sqrtn"` (max: `pool_max`).
+      vocab_size: the rows ids may read (default: the table's).
+      padding_idx: an id in `[0, vocab_size)` that reads nothing and is not counted, or None.
+
+    Returns:
+      f32 `[*batch, H]` (dense ids) or `[*lead, B, H]`.
+
+    Raises:
+      TypeError: as `gather_rows`'s table; ids or lengths that are not integers, weights that
+        are not floats. ValueError: another combiner, shapes that do not match, `vocab_size`
+        or `padding_idx` out of range. RuntimeError: the native kernels are unavailable.
+
+    Ids and lengths of any integer width are read as `jaxembed.ids.as_ids` narrows them
+    (saturated, never wrapped), as the twin's `jaxembed.ragged.to_bag_batch` does.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jaxembed.kernels import quant, quant_native
+      >>> from jaxembed.quant import quantize
+      >>> impl = quant_native if quant_native.available() else quant
+      >>> q = quantize(jnp.array([[0.0, 15.0], [2.0, 32.0], [8.0, 8.0]]), "int4")
+      >>> impl.pool_bags(q, jnp.array([[1, 2, -1], [-1, -1, -1]])).tolist()
+      [[10.0, 40.0], [0.0, 0.0]]
+      >>> impl.pool_bags(q, jnp.array([0, 1, 2]), jnp.array([1, 2]), combiner="mean").tolist()
+      [[0.0, 15.0], [5.0, 20.0]]
+    """
+    threads = native._require("quant_pool_bags")
+    operands, attrs = _table_operands("pool_bags", table)
+    if combiner not in POOLED_COMBINERS:
+        raise ValueError(
+            f"quant_native.pool_bags pools {', '.join(POOLED_COMBINERS)} bags, got "
+            f"combiner={combiner!r}: max bags pool with pool_max"
+        )
+    vocab = table.rows if vocab_size is None else int(vocab_size)
+    if not 0 <= vocab <= table.rows:
+        raise ValueError(
+            f"quant_native.pool_bags: vocab_size={vocab} is outside [0, {table.rows}] (the "
+            "table's rows)"
+        )
+    if padding_idx is not None and not 0 <= int(padding_idx) < vocab:
+        raise ValueError(
+            f"quant_native.pool_bags: padding_idx={padding_idx} is outside [0, {vocab})"
+        )
+    ids, lengths, weights = _bag_operands(ids, lengths, weights)
+    lead = ids.shape[:-1]
+    flat = ids.reshape(math.prod(lead), ids.shape[-1])  # i32[G, N]: a bitcast
+    if lengths is None:
+        num_bags, bounds = 1, jnp.zeros((0,), jnp.int32)  # dense: none
+        out_shape = (*lead, table.dim)
+    else:
+        num_bags = lengths.shape[-1]
+        bounds = lengths.reshape(flat.shape[0], num_bags)
+        out_shape = (*lead, num_bags, table.dim)
+    w = jnp.zeros((0,), jnp.float32) if weights is None else weights.reshape(flat.shape)
+    out = jax.ShapeDtypeStruct((flat.shape[0] * num_bags, table.dim), jnp.float32)
+    pooled = native._call("jaxembed_quant_pool_bags", out, *operands, flat, bounds, w,
+                          num_threads=threads, combiner=combiner, vocab_size=np.int64(vocab),
+                          padding_idx=np.int64(-1 if padding_idx is None else padding_idx),
+                          dense=np.int64(lengths is None), **attrs)  # fmt: skip
+    return pooled.reshape(out_shape)
+
+
+def _bag_operands(ids: Any, lengths: Any, weights: Any) -> tuple[Any, Any, Any]:
+    """ids and lengths as int32 (`jaxembed.ids.as_ids`: never wrapped), weights as float32,
+    checked to fit each other's shapes."""
+    ids = as_ids(ids, check=False)
+    if ids.ndim < 1:
+        raise ValueError(f"quant_native.pool_bags: ids must be of rank >= 1, got {ids.shape}")
+    if lengths is not None:
+        lengths = as_ids(lengths, "lengths", check=False)
+        if lengths.ndim != ids.ndim or lengths.shape[:-1] != ids.shape[:-1]:
+            raise ValueError(
+                f"quant_native.pool_bags: lengths {lengths.shape} must be [*lead, B] for ids "
+                f"{ids.shape} = [*lead, N]"
+            )
+        lengths = lengths.astype(jnp.int32)
+    if weights is not None:
+        weights = jnp.asarray(weights)
+        if not jnp.issubdtype(weights.dtype, jnp.floating):
+            raise TypeError(f"quant_native.pool_bags: weights must be floats, got {weights.dtype}")
+        if weights.shape != ids.shape:
+            raise ValueError(
+                f"quant_native.pool_bags: weights {weights.shape} must have the shape of ids "
+                f"{ids.shape}: one weight per id"
+            )
+        weights = weights.astype(jnp.float32)
+    return ids.astype(jnp.int32), lengths, weights
