@@ -318,6 +318,9 @@ def test_results_do_not_depend_on_thread_count(monkeypatch):
     sorted_seg = np.sort(seg)
     og = jnp.asarray(np.random.default_rng(6).normal(size=(3000, H)), jnp.float32)
     f = FORMULAS["rowwise_adagrad"]
+    # 72 columns over 200 rows: the dense update, whose threads split the columns (4 + 1 lines)
+    wide = make_slots(7, 40_000, rows=200, segments=3000, hidden=72)
+    wide_og = jnp.asarray(np.random.default_rng(7).normal(size=(3000, 72)), jnp.float32)
     runs = []
     for threads in ("1", "2"):
         monkeypatch.setenv("JAXEMBED_NUM_THREADS", threads)
@@ -328,6 +331,7 @@ def test_results_do_not_depend_on_thread_count(monkeypatch):
             native.bag_scatter_add((5000, H), local, valid, seg, scale, og),
             native.dedup_rows(local, valid, 5000)[1],
             native.bag_apply_rows(f, table, f.init_state(5000, H), 0, local, valid, seg, scale, og, hidden_size=H)[0],
+            native.bag_apply_rows(f, wide[0], f.init_state(200, 72), 0, *wide[1:], wide_og, hidden_size=72)[0],
         ))  # fmt: skip
     for one, two in zip(*runs, strict=True):
         assert bitwise(one, two)

@@ -1064,40 +1064,55 @@ void UpdateRows(const SortedSlots& sorted, Team& team, const UpdateBuffers& ub, 
 // that touches it often (M >= R / kDenseMinRowsPerSlot): no sort. Each touched row's gradient
 // is summed in a zeroed [R, H] block as the slots come, in slot order: for a bag, slot after
 // slot of each bag, whose gradient row is read once for all its ids where the sorted path reads
-// it once per slot (the high-duplication case that made the update 3x FBGEMM's). Thread t owns
-// the rows r with r % threads == t (a skewed batch's hot rows, the low ones, alternate) and
-// walks every slot, adding those of its rows; then it applies the formula to its touched rows,
-// ascending. A row's sum is ((0 + g_0) + g_1) + ... in slot order, as the sorted path's, so the
+// it once per slot (the high-duplication case that made the update 3x FBGEMM's).
+//
+// Threads split the columns, not the rows: thread t sums columns [c0, c1) (whole cache lines)
+// of every slot, so every thread walks every slot with no test of whose row it is (split by
+// rows, each thread tested every slot on a branch that went either way at random, and a
+// skewed batch loaded one thread). A table narrower than two cache lines sums on one thread. Then thread t applies the formula to its contiguous range of touched
+// rows. A value's sum is ((0 + g_0) + g_1) + ... in slot order, as the sorted path's, so the
 // result is bitwise the same, whatever the thread count.
 constexpr int64_t kDenseGradBytes = int64_t{8} << 20;
 constexpr int64_t kDenseMinRowsPerSlot = 4;
+constexpr int64_t kLineFloats = 16;  // floats in a 64-byte cache line
 
 template <Formula F, class T, class G, class RowOf, class GradOf>
 void UpdateDense(int64_t M, int64_t R, Team& team, const UpdateBuffers& ub, int64_t H,
                  const Hyper& hp, const RowOf& row_of, const GradOf& grad_of) {
-  const int threads = team.size();
   T* table = static_cast<T*>(ub.table);
-  auto grad = Uninitialized<float>(R * H);
+  // The block starts on a cache line, so that no line holds two threads' columns.
+  auto block = Uninitialized<float>(R * H + kLineFloats);
+  float* const gbase = block.get() + (kLineFloats - reinterpret_cast<uintptr_t>(block.get()) %
+                                                      64 / sizeof(float)) % kLineFloats;
   auto touched = Uninitialized<uint8_t>(R);
+  const int64_t lines = (H + kLineFloats - 1) / kLineFloats;
+  const int summing = static_cast<int>(std::min<int64_t>(team.size(), lines));
   team.Run([&](int t) {
-    float* gt = grad.get();
+    if (t >= summing) return;
+    const int64_t c0 = std::min(H, lines * t / summing * kLineFloats);
+    const int64_t c1 = std::min(H, lines * (t + 1) / summing * kLineFloats);
+    const int64_t w = c1 - c0;
+    float* gt = gbase + c0;
     uint8_t* seen = touched.get();
-    for (int64_t r = t; r < R; r += threads) {
-      std::memset(gt + r * H, 0, H * sizeof(float));
-      seen[r] = 0;
-    }
+    for (int64_t r = 0; r < R; ++r) std::memset(gt + r * H, 0, w * sizeof(float));
+    if (t == 0) std::memset(seen, 0, R);
     for (int64_t i = 0; i < M; ++i) {
       const int64_t r = row_of(i);
-      if (r < 0 || r % threads != t) continue;
-      seen[r] = 1;
+      if (r < 0) continue;
+      if (t == 0) seen[r] = 1;
       const G* row;
       float f;
       if (!grad_of(i, &row, &f)) continue;  // a slot in no bag: its row is touched, by zero
-      float* acc = gt + r * H;
-      for (int64_t h = 0; h < H; ++h) acc[h] = acc[h] + ToF32(row[h]) * f;
+      row += c0;
+      float* __restrict acc = gt + r * H;
+      for (int64_t h = 0; h < w; ++h) acc[h] = acc[h] + ToF32(row[h]) * f;
     }
+  });
+  const int threads = team.size();
+  team.Run([&](int t) {
+    const uint8_t* seen = touched.get();
     std::vector<float> w(H);
-    for (int64_t r = t; r < R; r += threads) {
+    for (int64_t r = PartStart(R, threads, t), e = PartStart(R, threads, t + 1); r < e; ++r) {
       if (!seen[r]) continue;
       T* wr = table + r * H;
       for (int64_t h = 0; h < H; ++h) w[h] = ToF32(wr[h]);
@@ -1105,7 +1120,7 @@ void UpdateDense(int64_t M, int64_t R, Team& team, const UpdateBuffers& ub, int6
       float* s1 = nullptr;
       if (NumSlots(F) > 0) s0 = ub.slot[0] + (ub.per_row[0] ? r : r * H);
       if (NumSlots(F) > 1) s1 = ub.slot[1] + (ub.per_row[1] ? r : r * H);
-      UpdateRow<F>(w.data(), gt + r * H, s0, s1, hp, H);
+      UpdateRow<F>(w.data(), gbase + r * H, s0, s1, hp, H);
       for (int64_t h = 0; h < H; ++h) FromF32(w[h], wr + h);
     }
   });
