@@ -143,8 +143,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--timeout", type=float, default=1200)
-    p.add_argument("--profile", action="store_true",
-                   help="record where each step's time goes (jax.profiler op spans)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="record where each step's time goes (jax.profiler op spans)",
+    )
     p.add_argument("--json")
     opts = p.parse_args(argv)
     rows = []
