@@ -165,6 +165,13 @@ def make_step(layout, mesh):
     return jax.jit(step)
 
 
+def initial_head(mesh):
+    """The head's weights, replicated on the mesh as the step returns them (else the step's
+    second call sees another layout and compiles again)."""
+    here = replicated_on(mesh)
+    return {"w": here(jnp.linspace(-1, 1, 3 * H)), "b": here(jnp.float32(0.25))}
+
+
 def initial_stacks(layout, cfg):
     """Each stack: the item table's initial rows, the user table's zeros."""
     return {s.index: build_stack(layout, s, {"item": ITEM_INIT,
@@ -188,7 +195,7 @@ def test_a_dynamic_table_in_a_collection_trains_like_the_references(placement, d
     states = {s.index: OPT.init(stacks[s.index], mesh=mesh, weight_spec=s.spec)
               for s in layout.stacks}  # fmt: skip
     remaps = DC.init_states(layout, mesh=mesh)
-    head = {"w": jnp.linspace(-1, 1, 3 * H), "b": jnp.float32(0.25)}
+    head = initial_head(mesh)
     twin = Twin(cfg, [t.name for t in layout.tables].index("user"))
     step, totals = make_step(layout, mesh), np.zeros(6, int)
     for t, (raw, y) in enumerate(stream()):
@@ -352,6 +359,7 @@ def test_the_linen_collection_trains_a_dynamic_table_like_the_references(placeme
         item_stack = initial_stacks(layout, cfg)[item.index]
         if mesh is not None:
             item_stack = jax.device_put(item_stack, NamedSharding(mesh, item.spec))
+        item_stack = jnp.asarray(item_stack)  # a jax array, as the step returns it
         params = {
             **params,
             "coll": {
@@ -361,7 +369,8 @@ def test_the_linen_collection_trains_a_dynamic_table_like_the_references(placeme
                 else item_stack,
             },
         }
-        dyn["reset_key"] = jax.device_put(jax.random.key_data(KEY), dyn["reset_key"].sharding)
+        key = jax.random.key_data(KEY)  # on one device uncommitted, as init made the rest
+        dyn["reset_key"] = key if mesh is None else jax.device_put(key, dyn["reset_key"].sharding)
         users = np.asarray(unbox(params["coll"][user.name]))[rows_at or 0 :][: cfg.capacity]
         assert int(dyn["step"]) == 0 and (users == 0).all()  # rows start at admission
 
@@ -402,6 +411,7 @@ def test_the_linen_collection_trains_a_dynamic_table_like_the_references(placeme
                             where, rows_at)  # fmt: skip
             items = unstack(layout, {item.index: unbox(params["coll"][item.name])})["item"]
             np.testing.assert_allclose(items, twin.items, rtol=2e-5, atol=1e-6, err_msg=where)
+        assert step._cache_size() == 1  # init lays the dynamic state out as the step returns it
         # a training call without the mutable collection is refused, naming it
         with pytest.raises(ValueError, match=r"mutable=\['dynamic'\]"):
             model.apply({"params": params, "dynamic": {"coll": dyn}}, batches[0][0])

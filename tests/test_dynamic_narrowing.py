@@ -75,7 +75,8 @@ def collection_entries():
     stacks = {0: jnp.zeros((32, H))}
     return {
         "collection prepare": lambda ids: DC.prepare(
-            layout, stacks, None, remaps, {"user_id": ids}, 0, key=KEY, optimizer=None),
+            layout, stacks, None, remaps, {"user_id": ids}, 0, key=KEY, optimizer=None
+        ),
         "collection read_rows": lambda ids: DC.read_rows(layout, remaps, {"user_id": ids}),
     }
 
@@ -177,7 +178,8 @@ def test_modules_refuse_int32_and_read_keys_as_the_reference(devices):
         tables = [TableConfig("user", 32, H, placement="rows" if mesh else "replicated",
                               dynamic=cfg())]  # fmt: skip
         coll = jaxembed.nnx.EmbeddingBagCollection(
-            tables, [FeatureConfig("user_id", "user")], rngs=nnx.Rngs(0), mesh=mesh)
+            tables, [FeatureConfig("user_id", "user")], rngs=nnx.Rngs(0), mesh=mesh
+        )
         ccall = nnx.jit(lambda m, b: m(b))
         with pytest.raises(TypeError, match=r"feature 'user_id' \(dynamic table 'user'\) ids "
                                             r"are int32 of shape \(3, 2\)"):  # fmt: skip
@@ -217,8 +219,14 @@ X64_SCRIPT = textwrap.dedent("""
 def test_x64_on_reads_int64_b_by_2_as_2b_ids():
     ids = raw_ids((3, 2), seed=9)
     env = {**os.environ, "JAX_ENABLE_X64": "1"}
-    out = subprocess.run([sys.executable, "-c", X64_SCRIPT, json.dumps(ids.tolist())],
-                         capture_output=True, text=True, env=env, timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", X64_SCRIPT, json.dumps(ids.tolist())],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
+    )
     got = json.loads(out.stdout.strip().splitlines()[-1])
     c = cfg(admit_after=1)
     ref = R.step(c, R.init_state(c), ids, 0)
@@ -240,7 +248,7 @@ def policy_stream(steps=8, seed=4):
 
 
 # Compiled once for all the starts of a case (the module's structure and config are the same):
-# the call, and the rows' lookup (`rows_for` itself jits a new function on every eager call).
+# the call, and the rows' lookup.
 CALL = nnx.jit(lambda m, k: m(k))
 ROWS_FOR = jax.jit(jaxembed.optim.dynamic.rows_for, static_argnums=0)
 
@@ -251,7 +259,8 @@ def run_from(start, policy, mesh):
     embed = nnx_embed(mesh, cfg(policy, ttl_steps=2) if policy == "ttl" else cfg(policy))
     step = embed.step.get_value()
     bits = np.array(start % 2**32, np.uint32).view(np.int32)
-    embed.step.set_value(jax.device_put(jnp.asarray(bits), step.sharding))
+    bits = jnp.asarray(bits)  # on one device uncommitted as the rest: the call compiles once
+    embed.step.set_value(bits if mesh is None else jax.device_put(bits, step.sharding))
     outs, stats = [], []
     for ids in policy_stream():
         keys = as_keys(ids)
@@ -262,13 +271,10 @@ def run_from(start, policy, mesh):
         outs.append((rows, out.any(-1)))
         stats.append(tuple(int(x) for x in embed.stats.get_value()))
     state = embed.remap.get_value()
-    return outs, stats, np.asarray(state.keys), np.asarray(state.count), int(
-        embed.step.get_value())
+    return outs, stats, np.asarray(state.keys), np.asarray(state.count), int(embed.step.get_value())
 
 
-@pytest.mark.parametrize(
-    "policy, devices", [("lru", 1), ("lfu", 1), ("ttl", 1), ("ttl", 8)]
-)
+@pytest.mark.parametrize("policy, devices", [("lru", 1), ("lfu", 1), ("ttl", 1), ("ttl", 8)])
 def test_a_wrapping_step_counter_changes_no_decision(policy, devices):
     mesh = jax.make_mesh((8,), ("model",)) if devices == 8 else None
     with jax.set_mesh(mesh) if mesh is not None else _nullcontext():

@@ -21,6 +21,7 @@ from test_dynamic_collection import (
     Twin,
     check_user_rows,
     head_optimizer,
+    initial_head,
     make_step,
     nnx_step,
     stream,
@@ -92,7 +93,7 @@ def test_ragged_bags_of_a_dynamic_table_train_like_the_references(devices):
     states = {s.index: OPT.init(stacks[s.index], mesh=mesh, weight_spec=s.spec)
               for s in layout.stacks}  # fmt: skip
     remaps = DC.init_states(layout, mesh=mesh)
-    head = {"w": jnp.linspace(-1, 1, 3 * H), "b": jnp.float32(0.25)}
+    head = initial_head(mesh)
     twin = Twin(cfg, [t.name for t in layout.tables].index("user"))
     step, totals = make_step(layout, mesh), np.zeros(6, int)
     for t, (raw, y) in enumerate(stream()):

@@ -273,6 +273,21 @@ def test_rows_for_reads_without_admitting_and_exports_without_custom_calls():
     assert got.sharding.spec == P("data", None)
 
 
+def test_eager_rows_for_compiles_once_per_table_and_layout():
+    """An eager `rows_for` runs one jitted program; the next call with the same table and
+    layout reuses it (a fresh closure per call compiled again every time)."""
+    cfg = config("lru")
+    mesh = jax.make_mesh((8,), ("model",), axis_types=(AxisType.Explicit,))
+    ids = np.array([[5, 6], [7, -1]], np.int64)
+    split = D.init_table(cfg, H, mesh=mesh, weight_spec=P("model", None))
+    for dyn in (D.init_table(cfg, H), split):
+        first = D.rows_for(cfg, dyn, ids, check_ids=False)
+        compiled = D._lookup_jit._cache_size()
+        again = D.rows_for(cfg, dyn, ids + 1, check_ids=False)
+        assert D._lookup_jit._cache_size() == compiled
+        assert first.tolist() == again.tolist() == [[cfg.capacity] * 2] * 2  # nothing admitted
+
+
 def test_an_empty_or_all_padding_batch_changes_nothing():
     cfg, opt = config("lru"), OPTIMIZERS["adagrad"]
     dyn = D.init_table(cfg, H)

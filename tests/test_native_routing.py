@@ -86,7 +86,27 @@ def np_bucket_ids(dest, key, n, c):
 # --- the kernel alone ------------------------------------------------------------------------
 
 
-@settings(max_examples=40, deadline=None)
+def check_native_equals_xla(m, n, c, owners, ids, seed):
+    dest, key = make_buckets(seed, m, n, owners=owners, ids=ids)
+    want = local_ops.bucket_ids(jnp.asarray(dest), jnp.asarray(key), n, c)
+    assert_bitwise(native.bucket_ids(jnp.asarray(dest), jnp.asarray(key), n, c), want)
+    assert_bitwise(want, np_bucket_ids(dest, key, n, c))
+
+
+def test_native_equals_xla_bitwise_on_the_edges():
+    """The module docstring's edges, on three shapes (each new shape compiles XLA's ops
+    again): every owner pattern, every kind of ids, capacity 1 overflowing, M = 0."""
+    owners = ["random", "one", "none", "sparse"]
+    for i, ids in enumerate(["pool", "wide", "any", "slots"]):
+        check_native_equals_xla(257, 8, 5, owners[i], ids, seed=i)
+    check_native_equals_xla(257, 8, 5, "sparse", "rising", seed=4)
+    check_native_equals_xla(257, 8, 1, "one", "rising", seed=5)  # capacity 1: overflows
+    check_native_equals_xla(257, 8, 1, "random", "any", seed=6)
+    check_native_equals_xla(0, 1, 1, "none", "pool", seed=7)  # M = 0
+
+
+# Random shapes and draws beyond the edges above (which run every time): a few are enough.
+@settings(max_examples=15, deadline=None)
 @given(
     m=st.sampled_from([0, 1, 2, 7, 64, 257]),
     n=st.sampled_from([1, 2, 3, 8]),
@@ -96,10 +116,7 @@ def np_bucket_ids(dest, key, n, c):
     seed=st.integers(0, 2**16),
 )
 def test_native_equals_xla_bitwise(m, n, c, owners, ids, seed):
-    dest, key = make_buckets(seed, m, n, owners=owners, ids=ids)
-    want = local_ops.bucket_ids(jnp.asarray(dest), jnp.asarray(key), n, c)
-    assert_bitwise(native.bucket_ids(jnp.asarray(dest), jnp.asarray(key), n, c), want)
-    assert_bitwise(want, np_bucket_ids(dest, key, n, c))
+    check_native_equals_xla(m, n, c, owners, ids, seed)
 
 
 @pytest.mark.parametrize("owners", ["random", "one"])

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxembed.kernels.arrays import move, normalize_spec
+from jaxembed.kernels.arrays import eager, move, normalize_spec
 from jaxembed.kernels.cross_entropy import chunk_logits, softcap_logits, vary
 from jaxembed.kernels.vocab_args import (
     Reduction,
@@ -90,6 +90,10 @@ def _run_top_k(plan: CrossEntropyPlan, mesh: Any, k: int, hidden, table):
     return run(hidden, table)
 
 
+# An eager call: one compiled program, not the `shard_map` body dispatched op by op.
+_run_top_k_jit = jax.jit(_run_top_k, static_argnums=(0, 1, 2))
+
+
 def _top_k_tokens(function, hidden, table, labels, k, *, vocab_size, softcap,
                   vocab_chunk_size, mesh, hidden_spec, weight_spec, ignore_index=None):  # fmt: skip
     """Checks, plans, and runs the body: `(plan, mesh, labels, values, ids)`, the last three
@@ -104,7 +108,8 @@ def _top_k_tokens(function, hidden, table, labels, k, *, vocab_size, softcap,
     )  # fmt: skip
     k = _check_k(k, plan.vocab_size)
     hidden = move(jax.lax.stop_gradient(hidden), mesh, plan.hidden_spec)
-    values, ids = _run_top_k(plan, mesh, k, hidden, jax.lax.stop_gradient(table))
+    run = _run_top_k_jit if eager(hidden, table) else _run_top_k
+    values, ids = run(plan, mesh, k, hidden, jax.lax.stop_gradient(table))
     if labels is not None:
         labels = move(labels.astype(jnp.int32), mesh, plan.tokens_spec)
     return plan, mesh, labels, values, ids

@@ -340,5 +340,6 @@ def replicated_on(mesh: Any) -> Any:
         mesh = None if mesh.empty else mesh
     if mesh is None or mesh.size == 1:
         return lambda x: x
-    sharding = NamedSharding(mesh, P())
-    return lambda x: jax.device_put(x, sharding)
+    # `P(None, ...)`, one entry a dim, as a jitted step returns it (`P()` is the same layout,
+    # but the step's second call would miss its first `jit` cache entry)
+    return lambda x: jax.device_put(x, NamedSharding(mesh, normalize_spec(P(), jnp.ndim(x))))

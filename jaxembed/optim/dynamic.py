@@ -77,6 +77,7 @@ from jaxembed.kernels import remap, remap_native, remap_routed
 from jaxembed.kernels.arrays import (
     eager,
     move,
+    normalize_spec,
     resolve_mesh,
     stated_spec,
     typed_like,
@@ -865,7 +866,7 @@ def init_table(
       ...                  weight_spec=P("model", None))
       >>> state = dyn.state  # split with the rows, but for the sketch's total
       >>> dyn.table.sharding.spec, state.keys.sharding.spec, state.sketch_total.sharding.spec
-      (P('model', None), P('model', None), P())
+      (P('model', None), P('model', None), P(None,))
     """
     remap.init_state(config)  # checks the config
     if isinstance(hidden, bool) or not isinstance(hidden, int | np.integer) or hidden < 1:
@@ -888,7 +889,9 @@ def init_table(
         mesh = jax.sharding.get_mesh()
         if mesh.empty:
             raise ValueError("init_table: pass a concrete jax.sharding.Mesh to place the table on")
-    place = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+    # Each spec spelled out to the array's rank, as a jitted step returns it (`P()` and
+    # `P(None,)` are one layout, but a second `jit` cache entry for the step).
+    place = lambda a, s: jax.device_put(a, NamedSharding(mesh, normalize_spec(s, a.ndim)))
     specs = state_specs(config, spec[0])
     return DynamicTable(place(table, spec), jax.tree.map(place, state, specs))
 
@@ -931,9 +934,8 @@ def rows_for(
     keys = as_keys(ids, check=check_ids)
     mesh = resolve_mesh(mesh, state.keys, keys)
     if mesh is None or mesh.size == 1:
-        one = lambda st, k: engine.lookup(config, st, k, check=False)[0]
         state, keys = jax.tree.map(whole_on_one_device, state), whole_on_one_device(keys)
-        return (jax.jit(one) if eager(state, keys) else one)(state, keys)
+        return _lookup_run(_Lookup(config, engine), state, keys)
     spec = _keys_spec(keys, mesh)
     row_axes = _state_row_axes(state, mesh, weight_spec)
     _check_split(config, 1, mesh, P(row_axes or None, None))
@@ -942,6 +944,26 @@ def rows_for(
     specs = state_specs(config, row_axes)
     state = jax.tree.map(lambda a, sp: move(a, mesh, sp), state, specs)
     keys = move(keys, mesh, spec)
+    return _lookup_run(_Lookup(config, engine, mesh, row_axes, specs, spec), state, keys)
+
+
+class _Lookup(NamedTuple):
+    """What `rows_for`'s program depends on besides its arrays (hashable: a jit static arg,
+    so that eager calls with the same table and layout share one compiled program)."""
+
+    config: DynamicTableConfig
+    engine: Any  # remap or remap_native
+    mesh: Any = None  # None: the state and the ids whole on one device
+    row_axes: tuple[str, ...] = ()  # the mesh axes splitting the state's rows
+    specs: DynamicState | None = None  # the state's layout
+    spec: P | None = None  # the keys' layout
+
+
+def _lookup(s: _Lookup, state: DynamicState, keys: jax.Array) -> jax.Array:
+    """`rows_for`'s program: each key's row, `capacity` where it has none."""
+    config, engine, mesh, row_axes = s.config, s.engine, s.mesh, s.row_axes
+    if mesh is None:
+        return engine.lookup(config, state, keys, check=False)[0]
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
     n = math.prod(sizes[a] for a in row_axes)
 
@@ -955,11 +977,17 @@ def rows_for(
         rows = jnp.where(found, rows + first * cfg.bucket_size, config.capacity)
         return jax.lax.pmin(rows, row_axes)
 
-    look = jax.shard_map(one, mesh=mesh, in_specs=(specs, spec), out_specs=P(*tuple(spec)[:-1]),
-                         check_vma=False)  # fmt: skip
-    if eager(state, keys):
-        look = jax.jit(look)
+    look = jax.shard_map(one, mesh=mesh, in_specs=(s.specs, s.spec),
+                         out_specs=P(*tuple(s.spec)[:-1]), check_vma=False)  # fmt: skip
     return look(state, keys)
+
+
+_lookup_jit = jax.jit(_lookup, static_argnums=0)
+
+
+def _lookup_run(s: _Lookup, state: DynamicState, keys: jax.Array) -> jax.Array:
+    """`_lookup`, compiled once per `_Lookup` (and shapes) when called eagerly."""
+    return (_lookup_jit if eager(state, keys) else _lookup)(s, state, keys)
 
 
 def _without(entry: Any, axes: tuple[str, ...]) -> Any:

@@ -37,7 +37,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxembed.collection.layout import CollectionLayout
@@ -45,7 +44,7 @@ from jaxembed.dynamic.config import DynamicState, StepStats
 from jaxembed.dynamic.keys import as_keys
 from jaxembed.dynamic.ragged import RaggedKeys, in_bag_keys, to_ragged
 from jaxembed.kernels import remap
-from jaxembed.kernels.arrays import resolve_mesh
+from jaxembed.kernels.arrays import normalize_spec, place_table, resolve_mesh
 from jaxembed.optim.dynamic import (
     DynamicTable,
     remap_table,
@@ -108,9 +107,12 @@ def init_states(layout: CollectionLayout, *, mesh: Any = None) -> dict[str, Dyna
     out = {}
     for _, t in dynamic_tables(layout):
         state = remap.init_state(t.dynamic)
-        if mesh is not None and isinstance(mesh, jax.sharding.Mesh):
+        if mesh is not None:
+            # Born split (also under `jax.set_mesh`, where `mesh` is abstract), each spec
+            # spelled to the array's rank, as a jitted step returns the state: a state born
+            # replicated made the step's second call compile again.
             specs = state_specs(t.dynamic, _state_axes(layout, t.name))
-            place = lambda a, sp: jax.device_put(a, NamedSharding(mesh, sp))
+            place = lambda a, sp: place_table(a, mesh, normalize_spec(sp, a.ndim))
             state = jax.tree.map(place, state, specs)
         out[t.name] = state
     return out
