@@ -448,31 +448,30 @@ def _priced_collectives(plan: CrossEntropyPlan):
     return out
 
 
+def _axes_only_in(plan: CrossEntropyPlan, spec: P, other: P, ndim: int) -> tuple[str, ...]:
+    """The mesh axes some dim of `spec` uses that the same dim of `other` does not."""
+    names = [a for a, _ in plan.mesh_axes]
+    a = layout.to_dims_mapping(spec, names, ndim)
+    b = layout.to_dims_mapping(other, names, ndim)
+    only = set()
+    for x, y in zip(a, b, strict=True):
+        only |= set(layout.entry_mesh_axes(x)) - set(layout.entry_mesh_axes(y))
+    return tuple(names[i] for i in sorted(only))
+
+
 def _hidden_slice(plan: CrossEntropyPlan) -> tuple[str, ...]:
     """The mesh axes the kernel's hidden layout adds to the given one where it drops none (a
     slice in the forward, an all-gather of hidden_grad in the backward)."""
     if _hidden_move(plan) is not None:
         return ()
-    names = [a for a, _ in plan.mesh_axes]
     ndim = len(plan.hidden_shape)
-    given = layout.to_dims_mapping(plan.given_hidden_spec, names, ndim)
-    kernel = layout.to_dims_mapping(plan.hidden_spec, names, ndim)
-    added = set()
-    for g, k in zip(given, kernel, strict=True):
-        added |= set(layout.entry_mesh_axes(k)) - set(layout.entry_mesh_axes(g))
-    return tuple(names[a] for a in sorted(added))
+    return _axes_only_in(plan, plan.hidden_spec, plan.given_hidden_spec, ndim)
 
 
 def _tokens_move(plan: CrossEntropyPlan) -> tuple[str, ...]:
     """The mesh axes the tokens give up between hidden's given layout and the kernel's."""
-    names = [a for a, _ in plan.mesh_axes]
     ndim = len(plan.hidden_shape) - 1
-    given = layout.to_dims_mapping(plan.out_spec, names, ndim)
-    kernel = layout.to_dims_mapping(plan.tokens_spec, names, ndim)
-    dropped = set()
-    for g, k in zip(given, kernel, strict=True):
-        dropped |= set(layout.entry_mesh_axes(g)) - set(layout.entry_mesh_axes(k))
-    return tuple(names[a] for a in sorted(dropped))
+    return _axes_only_in(plan, plan.out_spec, plan.tokens_spec, ndim)
 
 
 def _hidden_move(plan: CrossEntropyPlan):
