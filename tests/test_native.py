@@ -34,12 +34,17 @@ SCHEDULE = optax.exponential_decay(0.1, transition_steps=3, decay_rate=0.5)
 FORMULAS = formula_cases(SCHEDULE)
 
 
-def make_slots(seed, m, *, rows=R, segments=S, sorted_segments=False, dtype=jnp.float32, hidden=H):
+def make_slots(seed, m, *, rows=R, segments=S, sorted_segments=False, dtype=jnp.float32, hidden=H,
+               distinct=None):  # fmt: skip
     """A table and M slots: duplicate rows, ~25% invalid slots (their rows often out of range,
-    negative or >= rows), segments -1 / >= S on some slots, and some bags left empty."""
+    negative or >= rows), segments -1 / >= S on some slots, and some bags left empty. With
+    `distinct`, the valid rows are `distinct` rows scattered over the table."""
     rng = np.random.default_rng(seed)
     table = rng.normal(size=(rows, hidden)).astype(np.float32)
     local = rng.integers(0, max(rows // 3, 1), m).astype(np.int32)  # many duplicates
+    if distinct is not None:
+        chosen = rng.choice(rows, distinct, replace=False).astype(np.int32)
+        local = chosen[rng.integers(0, distinct, m)]
     valid = rng.random(m) < 0.75
     junk = rng.choice([-5, -1, rows, rows + 7], m).astype(np.int32)
     local = np.where(valid | (rng.random(m) < 0.5), local, junk)
@@ -321,6 +326,8 @@ def test_results_do_not_depend_on_thread_count(monkeypatch):
     # 72 columns over 200 rows: the dense update, whose threads split the columns (4 + 1 lines)
     wide = make_slots(7, 40_000, rows=200, segments=3000, hidden=72)
     wide_og = jnp.asarray(np.random.default_rng(7).normal(size=(3000, 72)), jnp.float32)
+    # 500 distinct rows of 200k, each ~60 times: the compact block
+    few = make_slots(8, 40_000, rows=200_000, segments=3000, hidden=72, distinct=500)
     runs = []
     for threads in ("1", "2"):
         monkeypatch.setenv("JAXEMBED_NUM_THREADS", threads)
@@ -332,6 +339,7 @@ def test_results_do_not_depend_on_thread_count(monkeypatch):
             native.dedup_rows(local, valid, 5000)[1],
             native.bag_apply_rows(f, table, f.init_state(5000, H), 0, local, valid, seg, scale, og, hidden_size=H)[0],
             native.bag_apply_rows(f, wide[0], f.init_state(200, 72), 0, *wide[1:], wide_og, hidden_size=72)[0],
+            native.bag_apply_rows(f, few[0], f.init_state(200_000, 72), 0, *few[1:], wide_og, hidden_size=72)[0],
         ))  # fmt: skip
     for one, two in zip(*runs, strict=True):
         assert bitwise(one, two)
@@ -367,18 +375,21 @@ def assert_update_equal(got, want, before, touched):
         assert g[untouched].tobytes() == b[untouched].tobytes()
 
 
-# The update sums a row's gradients two ways: in a [R, H] block where the table is small and
-# the batch touches it often (40 rows), else over the slots sorted by row (4000 rows): both must
-# be XLA's bits.
-PATHS = pytest.mark.parametrize("rows", [R, 4000], ids=["dense", "sorted"])
+# The update sums a row's gradients three ways: in a [R, H] block where the table is small and
+# the batch touches it often (40 rows), over the slots sorted by row (4000 rows), or in a block
+# of the batch's distinct rows where they are few and repeat (12 of 4000 rows): all must be
+# XLA's bits.
+PATHS = pytest.mark.parametrize(
+    "rows, distinct", [(R, None), (4000, None), (4000, 12)], ids=["dense", "sorted", "compact"]
+)
 
 
 @PATHS
 @pytest.mark.parametrize("name", FORMULAS)
-def test_apply_rows_matches_xla_every_formula(name, rows):
+def test_apply_rows_matches_xla_every_formula(name, rows, distinct):
     formula = FORMULAS[name]
     rng = np.random.default_rng(7)
-    table, local, valid, _, _ = make_slots(7, 90, rows=rows)
+    table, local, valid, _, _ = make_slots(7, 90, rows=rows, distinct=distinct)
     state = random_state(formula, rng, rows)
     grads = jnp.asarray(rng.normal(size=(90, H)), jnp.float32)
     touched = np.zeros(rows, bool)
@@ -428,10 +439,10 @@ def test_apply_rows_matches_xla_every_formula(name, rows):
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @PATHS
-def test_bag_apply_rows_matches_xla(name, dtype, rows):
+def test_bag_apply_rows_matches_xla(name, dtype, rows, distinct):
     formula = FORMULAS[name]
     rng = np.random.default_rng(8)
-    table, local, valid, seg, scale = make_slots(8, 110, dtype=dtype, rows=rows)
+    table, local, valid, seg, scale = make_slots(8, 110, dtype=dtype, rows=rows, distinct=distinct)
     state = random_state(formula, rng, rows)
     out_grad = jnp.asarray(rng.normal(size=(S, H)), dtype)
     touched = np.zeros(rows, bool)
