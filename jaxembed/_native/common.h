@@ -177,8 +177,10 @@ inline __m256 Load8(const bf16_t* p) {
 }
 #endif
 
-// dst[0:H] = Σ_k s_k · row_k[0:H] over k in [a, b), in order of k, from 0; `get(k, &row, &s)`
-// gives item k's row (T[H]) and factor, or returns false to skip it. Each sum is
+// dst[0:H] = Σ_k s_k · row_k[0:H] over k in [a, b), in order of k, from 0; `get(k, &row, &s, c)`
+// gives item k's row (T[H]) and factor, or returns false to skip it, while the sum reads the
+// row's columns from c on (up to 64 of them: a row wider than 64 is walked once per 64 columns,
+// so a prefetch in `get` fetches those columns, not the whole row again). Each sum is
 // ((0 + r0·s0) + r1·s1) + ..., multiplies and adds rounded apart, as XLA's `rows * scale`
 // then segment_sum. The accumulators of 64 columns stay in registers for the whole run (the
 // output is stored once), so the random row reads of consecutive items overlap in the
@@ -192,7 +194,7 @@ inline void WeightedSum(float* __restrict dst, int64_t H, int64_t a, int64_t b, 
     for (int64_t k = a; k < b; ++k) {
       const T* row;
       float s;
-      if (!get(k, &row, &s)) continue;
+      if (!get(k, &row, &s, c)) continue;
       row += c;
       const __m512 sv = _mm512_set1_ps(s);
       a0 = _mm512_add_ps(a0, _mm512_mul_ps(Load16(row), sv));
@@ -210,7 +212,7 @@ inline void WeightedSum(float* __restrict dst, int64_t H, int64_t a, int64_t b, 
     for (int64_t k = a; k < b; ++k) {
       const T* row;
       float s;
-      if (!get(k, &row, &s)) continue;
+      if (!get(k, &row, &s, c)) continue;
       a0 = _mm512_add_ps(a0, _mm512_mul_ps(Load16(row + c), _mm512_set1_ps(s)));
     }
     _mm512_storeu_ps(dst + c, a0);
@@ -224,7 +226,7 @@ inline void WeightedSum(float* __restrict dst, int64_t H, int64_t a, int64_t b, 
     for (int64_t k = a; k < b; ++k) {
       const T* row;
       float s;
-      if (!get(k, &row, &s)) continue;
+      if (!get(k, &row, &s, c)) continue;
       row += c;
       const __m256 sv = _mm256_set1_ps(s);
       a0 = _mm256_add_ps(a0, _mm256_mul_ps(Load8(row), sv));
@@ -250,7 +252,7 @@ inline void WeightedSum(float* __restrict dst, int64_t H, int64_t a, int64_t b, 
     for (int64_t k = a; k < b; ++k) {
       const T* row;
       float s;
-      if (!get(k, &row, &s)) continue;
+      if (!get(k, &row, &s, c)) continue;
       const __m256 sv = _mm256_set1_ps(s);
       a0 = _mm256_add_ps(a0, _mm256_mul_ps(Load8(row + c), sv));
       a1 = _mm256_add_ps(a1, _mm256_mul_ps(Load8(row + c + 8), sv));
@@ -263,7 +265,7 @@ inline void WeightedSum(float* __restrict dst, int64_t H, int64_t a, int64_t b, 
     for (int64_t k = a; k < b; ++k) {
       const T* row;
       float s;
-      if (!get(k, &row, &s)) continue;
+      if (!get(k, &row, &s, c)) continue;
       a0 = _mm256_add_ps(a0, _mm256_mul_ps(Load8(row + c), _mm256_set1_ps(s)));
     }
     _mm256_storeu_ps(dst + c, a0);
@@ -275,7 +277,7 @@ inline void WeightedSum(float* __restrict dst, int64_t H, int64_t a, int64_t b, 
     for (int64_t k = a; k < b; ++k) {
       const T* row;
       float s;
-      if (!get(k, &row, &s)) continue;
+      if (!get(k, &row, &s, c)) continue;
       for (int64_t h = 0; h < n; ++h) acc[h] = acc[h] + ToF32(row[c + h]) * s;
     }
     std::memcpy(dst + c, acc, n * sizeof(float));

@@ -359,11 +359,12 @@ struct SumVisitor {
     const int64_t rows = R, h = H, m = M;
     const int32_t* loc = local;
     const float* sc = scale;
-    WeightedSum<T>(out + s * H, H, a, b, [&](int64_t k, const T** row, float* f) {
+    WeightedSum<T>(out + s * H, H, a, b, [&](int64_t k, const T** row, float* f, int64_t c) {
       const int64_t i = get(k);
       if (i < 0 || rows == 0) return false;
-      if (i + kPrefetchDistance < m) {  // slot order: the next bags' rows
-        PrefetchRow(t.Row(ClampRow(loc[i + kPrefetchDistance], rows)), h * sizeof(T));
+      if (i + kPrefetchDistance < m) {  // slot order: the next bags' rows (these columns)
+        PrefetchRow(t.Row(ClampRow(loc[i + kPrefetchDistance], rows)) + c,
+                    std::min<int64_t>(64, h - c) * sizeof(T));
       }
       *row = t.Row(ClampRow(loc[i], rows));
       *f = sc[i];
@@ -1044,8 +1045,8 @@ void UpdateRows(const SortedSlots& sorted, Team& team, const UpdateBuffers& ub, 
       prefetch_next();
       // The slots of a row read their gradients (a bag's out_grad row) in no order the
       // hardware prefetcher follows: `prefetch_of` asks for the one kGradsAhead slots on.
-      WeightedSum<G>(g.data(), H, a, b, [&](int64_t k, const G** row, float* f) {
-        if (k + kGradsAhead < end) prefetch_of(slots[k + kGradsAhead]);
+      WeightedSum<G>(g.data(), H, a, b, [&](int64_t k, const G** row, float* f, int64_t c) {
+        if (c == 0 && k + kGradsAhead < end) prefetch_of(slots[k + kGradsAhead]);
         return grad_of(slots[k], row, f);
       });
       T* wr = table + r * H;
