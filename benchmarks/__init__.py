@@ -58,6 +58,7 @@ SUBCOMMANDS = {
     "grid": "benchmarks.grid.bench",
     "defaults": "benchmarks.defaults",
     "llm-head": "benchmarks.llm_head",
+    "tiered": "benchmarks.tiered",
 }
 """`python -m benchmarks NAME ...` runs `main` of this module; no NAME runs `layouts`."""
 
