@@ -599,3 +599,23 @@ except RuntimeError as e:
         "1",
         "RuntimeError True",
     ]
+
+
+@pytest.mark.parametrize("lead", [(), (3,), (2, 2)])
+def test_segments_from_lengths_matches_ragged(lead):
+    """Negative lengths, empty bags, totals past the capacity and short of it: the same
+    segments as `ragged.segments_from_lengths`, eagerly and under jit."""
+    from jaxembed import ragged
+
+    rng = np.random.default_rng(11)
+    lengths = jnp.asarray(rng.integers(-2, 6, (*lead, 7)), jnp.int32)
+    for capacity in (0, 1, 9, 20, 64):
+        want = ragged.segments_from_lengths(lengths, capacity)
+        got = native.segments_from_lengths(lengths, capacity)
+        jitted = jax.jit(native.segments_from_lengths, static_argnums=1)(lengths, capacity)
+        assert got.dtype == jnp.int32 and got.shape == (*lead, capacity)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(jitted, want)
+    with jax.enable_x64(True):  # a length past int32 is clamped before the cast, never wrapped
+        wide = jnp.asarray([[2**32 + 1, 3]], jnp.int64)
+        np.testing.assert_array_equal(native.segments_from_lengths(wide, 4), [[0, 0, 0, 0]])

@@ -65,6 +65,7 @@ TARGETS = {
     "jaxembed_pool_sum": "JaxembedPoolSum",
     "jaxembed_pool_sum_pieces": "JaxembedPoolSumPieces",
     "jaxembed_pool_max": "JaxembedPoolMax",
+    "jaxembed_segments_from_lengths": "JaxembedSegmentsFromLengths",
     "jaxembed_scatter_add": "JaxembedScatterAdd",
     "jaxembed_bag_scatter_add": "JaxembedBagScatterAdd",
     "jaxembed_bag_scatter_add_pieces": "JaxembedBagScatterAddPieces",

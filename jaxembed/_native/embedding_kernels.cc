@@ -297,6 +297,37 @@ void ForEachSegment(int64_t M, int64_t S, const int32_t* seg, const bool* valid,
   });
 }
 
+// ---- segments_from_lengths -------------------------------------------------------------------
+
+// The bag of every slot of L flat blocks of N slots, from the blocks' bag lengths [L, B]: block
+// l's bag b is the next lengths[l, b] slots (a negative length counts as 0), and slots past the
+// block's total are -1 (`jaxembed.ragged.segments_from_lengths`, one pass: XLA's form is two
+// parallel prefix sums and a scatter over the slots, ~60 small ops).
+ffi::Error SegmentsFromLengthsImpl(ffi::Buffer<ffi::S32> lengths,
+                                   ffi::ResultBuffer<ffi::S32> out) {
+  constexpr const char* k = "segments_from_lengths";
+  if (lengths.dimensions().size() != 2 || out->dimensions().size() != 2 ||
+      lengths.dimensions()[0] != out->dimensions()[0]) {
+    return Invalid(k, "expected lengths [L, B] and segments [L, N], got " +
+                          Dims(lengths.dimensions()) + " and " + Dims(out->dimensions()));
+  }
+  const int64_t L = lengths.dimensions()[0], B = lengths.dimensions()[1];
+  const int64_t N = out->dimensions()[1];
+  const int32_t* len = lengths.typed_data();
+  int32_t* seg = out->typed_data();
+  for (int64_t l = 0; l < L; ++l) {
+    int32_t* row = seg + l * N;
+    int64_t at = 0;
+    for (int64_t b = 0; b < B && at < N; ++b) {
+      const int64_t end = std::min(N, at + std::max<int64_t>(0, len[l * B + b]));
+      std::fill(row + at, row + end, static_cast<int32_t>(b));
+      at = end;
+    }
+    std::fill(row + at, row + N, -1);
+  }
+  return ffi::Error::Success();
+}
+
 // ---- pool_sum ---------------------------------------------------------------------------------
 
 // Where row r of a table lives: one [R, H] buffer, or the n pieces [C, H] of a tuple
@@ -1429,6 +1460,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedBagScatterAddPieces,
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingRets()
                                   .Attr<int64_t>("num_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedSegmentsFromLengths,
+                              jaxembed::Safe<jaxembed::SegmentsFromLengthsImpl>::Call,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxembedPoolMax, jaxembed::Safe<jaxembed::PoolMaxImpl>::Call,
                               ffi::Ffi::Bind()

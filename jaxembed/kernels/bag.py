@@ -137,6 +137,11 @@ def _slots(
     """
     bag = plan.bag
     batch = bags.batch()  # the dense form has no lengths
+    if bags.lengths is not None:  # the native kernels read the lengths in one pass
+        capacity = batch.ids.shape[-1]
+        batch = batch._replace(
+            segments=kernels_for(plan).segments_from_lengths(bags.lengths, capacity)
+        )
     segments, num_bags = batch.segments, batch.num_bags
     if my_bags_only and plan.bag_split_axes:
         n = math.prod(jax.lax.axis_size(a) for a in plan.bag_split_axes)

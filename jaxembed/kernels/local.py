@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxembed.ragged import running_sum
+from jaxembed.ragged import running_sum, segments_from_lengths
 
 __all__ = [
     "bag_scatter_add",
@@ -39,6 +39,7 @@ __all__ = [
     "scaled_bag_grads",
     "scatter_add",
     "scatter_add_pieces",
+    "segments_from_lengths",
 ]
 
 

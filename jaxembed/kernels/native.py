@@ -52,6 +52,7 @@ Examples:
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -86,6 +87,7 @@ __all__ = [
     "pool_sum_pieces",
     "scatter_add",
     "scatter_add_pieces",
+    "segments_from_lengths",
     "supports_dtype",
     "why_unavailable",
 ]
@@ -216,6 +218,28 @@ def gather_rows(table: jax.Array, local: jax.Array, valid: jax.Array) -> jax.Arr
     out = jax.ShapeDtypeStruct((flat_local.shape[0], table.shape[1]), table.dtype)
     rows = _call("jaxembed_gather_rows", out, table, flat_local, flat_valid, num_threads=threads)
     return rows.reshape(*local.shape, table.shape[1])
+
+
+def segments_from_lengths(lengths: jax.Array, capacity: int) -> jax.Array:
+    """`jaxembed.ragged.segments_from_lengths` (same arguments, same result) in one pass over
+    the slots: the bag of every slot of a flat block, -1 past the bags' total.
+
+    Args:
+      lengths: int `[*lead, B]` (negative lengths count as 0).
+      capacity: N, the slots per lead element.
+
+    Returns:
+      int32 `[*lead, N]`.
+    """
+    _require("segments_from_lengths")
+    lengths = jnp.asarray(lengths)
+    lead, num_bags = lengths.shape[:-1], lengths.shape[-1]
+    if capacity == 0 or num_bags == 0 or math.prod(lead) == 0:
+        return jnp.full((*lead, capacity), -1, jnp.int32)
+    clamped = jnp.clip(lengths, 0, capacity).astype(jnp.int32)  # in range before the cast
+    out = jax.ShapeDtypeStruct((math.prod(lead), int(capacity)), jnp.int32)
+    segments = _call("jaxembed_segments_from_lengths", out, clamped.reshape(-1, num_bags))
+    return segments.reshape(*lead, capacity)
 
 
 def pool_sum(
