@@ -8,8 +8,10 @@ The bodies execute an `EmbeddingPlan` (`jaxembed.plan`) and decide nothing thems
               [rows: all_gather ids and out_grad over the batch axes] -> masked scatter-add
               into a zero shard of the table's own layout -> [dense: psum over the batch axes]
 
-so the weight gradient is born in the table's layout, no plan gathers the table, and every
-collective of the compiled program is one the plan lists.
+so the weight gradient is born in the table's layout and every collective of the compiled
+program is one the plan lists. With the weight gather (`plan.table_move == "gather"`, FSDP's)
+the forward first all-gathers the table's shard over G, and the backward ends with the
+gradient's reduce-scatter over G back into the table's layout.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from jaxembed.kernels.common import (
     work_counts,
 )
 from jaxembed.kernels.common import resolve_layouts as resolve_layouts
+from jaxembed.kernels.cross_entropy import gather_table
 from jaxembed.kernels.options import LookupOptions
 from jaxembed.kernels.reshard import apply_moves, gather
 from jaxembed.kernels.select import kernels_for
@@ -84,6 +87,7 @@ def _gathered_lookup(plan: EmbeddingPlan, ids: jax.Array, table: jax.Array):
 
 def _forward_body(plan: EmbeddingPlan, x: jax.Array, table: jax.Array):
     # x: i32[*batch / x_spec]   table: f[V/R, H/K]
+    table = gather_table(plan, table)  # f[V/R, H/K'] (K' = K less G; the weight gather's)
     ids = apply_moves(x, plan.ids_operand.moves)  # i32[*batch / ids_spec]
     overflow = jnp.zeros((), jnp.int32)
     if plan.exchange == "routed":  # ids split over the routed axes S as well
@@ -111,7 +115,24 @@ def _forward_body(plan: EmbeddingPlan, x: jax.Array, table: jax.Array):
 
 def _scatter_gradient(plan, ids, out_grad):
     # out_grad: f[*ids, H/K], or the routed exchange's pieces n_S × f32[C, H/K] (read in place)
+    if plan.gathered_axes:  # the gathered table's gradient: f32[V/R, H/K']
+        local, valid = local_ops.local_rows(plan, ids)
+        rows = out_grad.reshape(-1, out_grad.shape[-1])
+        return kernels_for(plan).scatter_add(
+            plan.body_table_shard_shape, local.reshape(-1), valid.reshape(-1), rows
+        )
     return routed_ops.scatter_grads(plan, *local_ops.local_rows(plan, ids), out_grad)
+
+
+def _scatter_back(plan: EmbeddingPlan, weight_grad: jax.Array) -> jax.Array:
+    """The weight gather's transpose: f32[V/R, H/K'] summed over G and split back over it
+    into the table's own shard f32[V/R, H/K] (after the dense exchange's psum, if any)."""
+    if plan.exchange == "dense":
+        weight_grad = jax.lax.psum(weight_grad, plan.batch_axes)
+    weight_grad = jax.lax.psum_scatter(
+        weight_grad, plan.gathered_axes, scatter_dimension=1, tiled=True
+    )
+    return weight_grad.astype(plan.dtype)
 
 
 def _backward_body(plan: EmbeddingPlan, ids, overflow, out_grad: jax.Array) -> jax.Array:
@@ -142,6 +163,8 @@ def _backward_body(plan: EmbeddingPlan, ids, overflow, out_grad: jax.Array) -> j
             out_grad = gather(out_grad, axes, dim)
         # ids: i32[*batch]   out_grad: f[*batch, H/K]
     weight_grad = _scatter_gradient(plan, ids, out_grad)
+    if plan.gathered_axes:
+        return _scatter_back(plan, weight_grad)  # f[V/R, H/K]
     return finish_gradient(plan, weight_grad)  # f[V/R, H/K]
 
 
@@ -258,12 +281,15 @@ def embedding(
     capacity_factor: float | None = None,
     return_stats: bool = False,
     impl: str = "auto",
+    table_move: str = "auto",
 ) -> Any:
     """Looks up `weight[x]` on any layout of table and ids; the gradient stays in the table's.
 
-    The table never moves: layout conflicts are resolved by moving the ids (and, in the
-    backward, the output gradient) with the plan's own collectives. `jaxembed.plan_embedding`
-    with the same arguments returns the plan that runs, with every collective and its bytes.
+    Layout conflicts are resolved by moving the ids (and, in the backward, the output
+    gradient) with the plan's own collectives, or, where the table's hidden axis is split
+    over mesh axes that split the output's batch too (FSDP), by FSDP's weight gather when it
+    sends fewer bytes. `jaxembed.plan_embedding` with the same arguments returns the plan
+    that runs, with every collective and its bytes.
 
     Args:
       x: integer ids of any rank `[*batch]`.
@@ -295,6 +321,12 @@ def embedding(
         each device's slots walked and rows read).
       impl: the shard-local kernels: `"auto"` (jaxembed's native CPU kernels on CPU when they
         can be built, else XLA), `"xla"` or `"native"`; the collectives are the same.
+      table_move: with the table's hidden axis split over mesh axes G that `out_spec`'s
+        batch is split over too (table `P("tensor", "fsdp")`, output `P("fsdp", None,
+        None)`), `"gather"` all-gathers the table's shard over G for the step and
+        reduce-scatters its gradient back into the table's layout (FSDP's weight gather);
+        `"none"` keeps the table where it is and moves ids and output; `"auto"` (default)
+        takes the one that sends fewer bytes (`jaxembed.plan_embedding` prints both).
 
     Returns:
       `out[*batch, H]` laid out as `out_spec` (and `LookupStats` with `return_stats`). Ids
@@ -324,7 +356,7 @@ def embedding(
         row_sharding=row_sharding, capacity=capacity, capacity_factor=capacity_factor,
         return_stats=return_stats, impl=impl,
     )  # fmt: skip
-    return run_lookup(x, weight, options)
+    return run_lookup(x, weight, options, table_move=table_move)
 
 
 def lookup(
@@ -366,8 +398,11 @@ def lookup(
     return run_lookup(x, weight, options)
 
 
-def run_lookup(x: jax.Array, weight: jax.Array, options: LookupOptions) -> Any:
-    """`embedding` of `x` in `weight` with its keywords as one `LookupOptions`.
+def run_lookup(
+    x: jax.Array, weight: jax.Array, options: LookupOptions, *, table_move: str = "auto"
+) -> Any:
+    """`embedding` of `x` in `weight` with its keywords as one `LookupOptions` (and the
+    plan's `table_move`; a quantized table is never gathered).
 
     Raises:
       As `embedding`.
@@ -396,7 +431,8 @@ def run_lookup(x: jax.Array, weight: jax.Array, options: LookupOptions) -> Any:
     plan = plan_embedding(
         mesh, x.shape, weight.shape, x_spec=x_spec, weight_spec=weight_spec,
         out_spec=options.out_spec, dtype=weight.dtype, ids_dtype=x.dtype,
-        exchange=options.exchange, **options.plan_kwargs(),
+        exchange=options.exchange, table_move="none" if is_quantized(weight) else table_move,
+        **options.plan_kwargs(),
     )  # fmt: skip
     if options.check_ids:
         check_ids_eagerly(x, plan.vocab_size)

@@ -5,9 +5,11 @@
 * `jaxembed.plan.cost`: the ring byte model and the time model with per-backend constants.
 * `jaxembed.plan.collection`: the collection planner; `jaxembed.plan.cross_entropy`: the
   vocab-parallel loss's plan.
+* `jaxembed.plan.table_moves`: the weight gather's choice, shared by the lookup's and the
+  loss's plans.
 
 Inside, each module imports only those below it: `types` (the plans' data), `specs` (mesh
-and spec helpers), `moves`, `cost`; `layouts`; `exchange`, `routed`; `lookup`; the
+and spec helpers), `moves`, `cost`, `table_moves`; `layouts`; `exchange`, `routed`; `lookup`; the
 collection planner; `format` (every formatter), which only this face imports: it makes the
 formatters the plans' `str()`.
 """

@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxembed import layout
 from jaxembed.plan.cost import ring_wire_bytes
 from jaxembed.plan.specs import validate_scalars
+from jaxembed.plan.table_moves import check_table_move, choose_move, format_mib
 from jaxembed.rules.cross_entropy import cross_entropy_forward, cross_entropy_grad
 from jaxembed.rules.engine import DistSpec, SpmdInfo
 
@@ -262,8 +263,7 @@ def plan_cross_entropy(
     table_shape = tuple(int(d) for d in table_shape)
     if len(table_shape) != 2:
         raise ValueError(f"table must be a 2-D table [vocab, hidden], got shape {table_shape}")
-    if table_move not in ("auto", "gather", "none"):
-        raise ValueError(f"table_move must be 'auto', 'gather' or 'none', got {table_move!r}")
+    check_table_move(table_move)
     vocab_size = validate_scalars(table_shape[0], vocab_size, None)
     validate_loss_options(label_smoothing, z_loss, ignore_index, hidden_spec, weight_spec)
     softcap = validate_softcap(softcap)
@@ -337,18 +337,7 @@ def plan_cross_entropy(
             + "pass table_move='none' (or 'auto')"
         )
     costs = {m: (p.wire_bytes, p.peak_bytes) for m, p in plans.items()}
-    pick = table_move if table_move != "auto" else min(costs, key=lambda m: costs[m])
-    alternatives = tuple((m, float(costs[m][0]), int(costs[m][1])) for m in plans)
-    if table_move != "auto":
-        why = f"table_move={table_move!r} given"
-    elif len(plans) == 1:
-        why = f"the only move: no weight gather ({refused})"
-    else:
-        other = "none" if pick == "gather" else "gather"
-        why = (
-            f"fewest bytes: {format_mib(costs[pick][0])} against {format_mib(costs[other][0])} "
-            f"for {other!r}"
-        )
+    pick, why, alternatives = choose_move(table_move, costs, refused)
     return dataclasses.replace(plans[pick], move_reason=why, alternatives=alternatives)
 
 
@@ -368,11 +357,6 @@ def _tokens_over(h_dm, hidden_shape, axes, names, sizes):
             entry = layout.normalize_entry((*have, *free))
             return (*h_dm[:d], entry, *h_dm[d + 1 :])
     return h_dm
-
-
-def format_mib(n: float) -> str:
-    """Bytes in MiB, two decimals: `1.50 MiB`."""
-    return f"{n / 2**20:.2f} MiB"
 
 
 def _itemsize(dtype: str) -> int:

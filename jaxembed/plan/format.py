@@ -19,6 +19,7 @@ from jaxembed.plan.collection import CollectionPlan
 from jaxembed.plan.cross_entropy import CrossEntropyPlan
 from jaxembed.plan.idstats import IdStats
 from jaxembed.plan.specs import format_bytes
+from jaxembed.plan.table_moves import format_mib
 from jaxembed.plan.types import EmbeddingPlan
 
 __all__ = [
@@ -61,6 +62,7 @@ def format_plan(plan: EmbeddingPlan) -> str:
         f"  rows split over {plan.row_axes or '-'}, hidden over {plan.hidden_axes or '-'}, "
         f"batch over {plan.batch_axes or '-'}"
         + (f", padding_idx {plan.padding_idx}" if plan.padding_idx is not None else ""),
+        *_table_move_lines(plan),
         "",
         f"  {'phase':<9}{'collective':<14}{'axes':<18}{'operand':<12}{'per-device result':<26}"
         f"{'wire bytes':>12}",
@@ -114,9 +116,25 @@ def format_plan(plan: EmbeddingPlan) -> str:
         f"ids {format_bytes(m.ids)}, out {format_bytes(m.out)}, "
         + (f"weight_grad f32 {format_bytes(m.weight_grad_f32)}, " if not plan.for_update else "")
         + f"exchange buffers {format_bytes(m.exchange_buffers)}"
+        + (f", gathered table {format_bytes(m.gathered_table)}" if m.gathered_table else "")
     )
     lines.append(f"  kernels: {plan.impl}")
     return "\n".join(lines)
+
+
+def _table_move_lines(plan: EmbeddingPlan) -> list[str]:
+    """The weight gather's lines: the move taken and why, and every move priced (none where
+    the table's hidden axes split no batch: nothing was weighed)."""
+    if not plan.move_reason:
+        return []
+    gathered = f" over {plan.gathered_axes}" if plan.gathered_axes else ""
+    lines = [f"  table move: {plan.table_move}{gathered} ({plan.move_reason})"]
+    for move, wire, peak in plan.move_alternatives:
+        mark = "*" if move == plan.table_move else " "
+        lines.append(
+            f"   {mark} {move:<7}wire {format_bytes(wire):>12}  peak {format_bytes(peak):>12}"
+        )
+    return lines
 
 
 _MAX_ROWS = 16  # of the per-device table
@@ -197,15 +215,11 @@ def format_cross_entropy_plan(plan: CrossEntropyPlan) -> str:
     lines.append(f"  move    {plan.table_move}: {plan.move_reason}" if plan.move_reason else "")
     for move, wire, peak in plan.alternatives:
         mark = "*" if move == plan.table_move else " "
-        lines.append(f"   {mark} {move:<7}wire {_mib(wire):>12}  peak {_mib(peak):>12}")
+        lines.append(f"   {mark} {move:<7}wire {format_mib(wire):>12}  peak {format_mib(peak):>12}")
     for phase, op, axes, operand, wire in plan.priced_collectives:
-        lines.append(f"  {phase:<9}{op:<13}{','.join(axes):<16}{operand:<30}{_mib(wire):>12}")
-    lines.append(f"  total wire bytes per device and step {_mib(plan.wire_bytes)}")
+        lines.append(f"  {phase:<9}{op:<13}{','.join(axes):<16}{operand:<30}{format_mib(wire):>12}")
+    lines.append(f"  total wire bytes per device and step {format_mib(plan.wire_bytes)}")
     return "\n".join(line for line in lines if line)
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB"
 
 
 def format_id_stats(stats: IdStats) -> str:

@@ -2,9 +2,9 @@
 
 `plan_embedding` and `plan_embedding_bag` ask the rules (`jaxembed.rules`) how the lookup
 must be laid out, resolve what they call a conflict by moving the ids or the output gradient
-(never the table), and write down every collective of the forward and the backward with its
-mesh axes and its bytes. The kernels (`jaxembed.kernels`) execute a plan; they decide
-nothing themselves.
+(or, FSDP's weight gather, when it sends fewer bytes, the table's shard for the step), and
+write down every collective of the forward and the backward with its mesh axes and its bytes.
+The kernels (`jaxembed.kernels`) execute a plan; they decide nothing themselves.
 
 Derivation, with R the mesh axes that split the table's rows and K those that split its
 hidden axis, in named steps (`plan_request` runs them on a normalized `PlanRequest`; the
@@ -29,6 +29,12 @@ layouts' own functions are in `jaxembed.plan.layouts`):
 Steps 1-4 are `lookup_layout` (`validate_request` first), 5 and the backward's transposes
 `lookup_collectives`, 6 `choose_lookup_exchange` (with `routed_option` of
 `jaxembed.plan.routed`), 7 `lookup_memory`.
+
+8. **table move**: where K also splits the output's batch (FSDP: table `P("tensor",
+   "fsdp")`, output `P("fsdp", ...)`), `gather_option` plans the same lookup on the table
+   gathered over those axes G (`(R, K less G)`, by steps 1-7), with the table's `all_gather`
+   first and the gradient's `psum_scatter` over G last; the cheaper of the two moves in bytes
+   (`jaxembed.plan.table_moves.choose_move`, shared with the loss's plan) is the plan.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ from jaxembed.plan.specs import (
     spec_entries,
     validate_scalars,
 )
+from jaxembed.plan.table_moves import check_table_move, choose_move
 from jaxembed.plan.types import (
     COMBINERS,
     BagGeometry,
@@ -86,14 +93,17 @@ __all__ = [
     "LookupCollectives",
     "LookupLayout",
     "PlanRequest",
+    "assemble_plan",
     "check_choices",
     "choose_lookup_exchange",
+    "gather_option",
     "lookup_collectives",
     "lookup_layout",
     "lookup_memory",
     "plan_embedding",
     "plan_embedding_bag",
     "plan_request",
+    "weighs_a_gather",
 ]
 
 Exchange = Literal["auto", "dense", "rows", "routed"]
@@ -125,6 +135,7 @@ def plan_embedding(
     capacity_factor: float | None = None,
     impl: str = "auto",
     optimizer_slots: Sequence[bool] = (),
+    table_move: str = "auto",
 ) -> EmbeddingPlan:
     """Plans a sharded lookup `weight[x]` and its gradient on `mesh`.
 
@@ -155,6 +166,13 @@ def plan_embedding(
       optimizer_slots: for an update plan, whether each of the optimizer's state slots is
         one float per row (True) or per element (False), for `memory.state_bytes` and
         `memory.update_buffers` (`RowSparseOptimizer.plan` passes them).
+      table_move: where the table's hidden axis is split over mesh axes G that the output's
+        batch is split over too (FSDP: table `P("tensor", "fsdp")`, output `P("fsdp", ...)`),
+        `"gather"` all-gathers the table's shard over G for the step, looks up each device's
+        own ids and reduce-scatters the gradient back over G (FSDP's weight gather);
+        `"none"` keeps the table where it is and moves the ids and the output; `"auto"`
+        (default) takes the one that sends fewer bytes (ties: less memory). The plan prints
+        both (`move_alternatives`). Only plain lookups (not bags, not updates) gather.
 
     Returns:
       An `EmbeddingPlan`.
@@ -181,7 +199,7 @@ def plan_embedding(
         exchange=_exchange_arg(exchange, gradient_exchange), row_sharding=row_sharding,
         backend=backend, bag=None, lengths_spec=None, weights_spec=None, update=update,
         capacity=capacity, capacity_factor=capacity_factor, impl=impl,
-        optimizer_slots=optimizer_slots, routed_pool="auto",
+        optimizer_slots=optimizer_slots, routed_pool="auto", table_move=table_move,
     )  # fmt: skip
 
 
@@ -287,7 +305,7 @@ def _exchange_arg(exchange: Any, gradient_exchange: Any) -> Any:
 def _plan(mesh, x_shape, weight_shape, *, x_spec, weight_spec, out_spec, padding_idx,
           vocab_size, dtype, ids_dtype, exchange, row_sharding, backend, bag, lengths_spec,
           weights_spec, update, capacity, capacity_factor, impl,
-          optimizer_slots, routed_pool) -> EmbeddingPlan:  # fmt: skip
+          optimizer_slots, routed_pool, table_move="none") -> EmbeddingPlan:  # fmt: skip
     names = layout.axis_names_of(mesh)
     sizes = dict(zip(names, mesh_sizes(mesh), strict=True))
     backend = backend or backend_of(mesh)
@@ -315,6 +333,7 @@ def _plan(mesh, x_shape, weight_shape, *, x_spec, weight_spec, out_spec, padding
         impl=resolve_impl(impl, backend, dtype),
         optimizer_slots=tuple(bool(x) for x in optimizer_slots),
         routed_pool=routed_pool,
+        table_move=check_table_move(table_move),
     )
     unit_free = _without_unit_axes(request)
     plan = plan_request(unit_free)
@@ -386,6 +405,7 @@ class PlanRequest:
     impl: str
     optimizer_slots: tuple[bool, ...]
     routed_pool: str = "auto"
+    table_move: str = "none"
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -484,11 +504,41 @@ def plan_request(req: PlanRequest) -> EmbeddingPlan:
     `lookup_layout` (validate, the output's layout, the body's, the rules), then
     `lookup_collectives` (the operands' moves, the forward's collectives and the backward's
     transposes), `choose_lookup_exchange` (the exchange over B and its bytes),
-    `lookup_memory`, and the plan itself.
+    `lookup_memory`, and the plan itself (`assemble_plan`). Where the table's hidden axes
+    split the batch too, the weight gather (`gather_option`) is priced beside it and the
+    cheaper taken (`jaxembed.plan.table_moves.choose_move`).
     """
     lay = lookup_layout(req)
-    coll = lookup_collectives(req, lay)
-    choice = choose_lookup_exchange(req, lay, coll)
+    plan = assemble_plan(req, lay)
+    if not weighs_a_gather(req, lay):
+        if req.table_move == "gather":
+            raise ValueError(_no_gather_message(lay, _not_weighed(req, lay)))
+        return plan
+    plans, refused = {"none": plan}, ""
+    gathered = gather_option(req, lay, plan.out_spec)
+    if isinstance(gathered, str):
+        refused = gathered
+    else:
+        plans["gather"] = gathered
+    if req.table_move == "gather" and "gather" not in plans:
+        raise ValueError(_no_gather_message(lay, refused))
+    costs = {m: (p.wire_bytes, p.memory.peak_bytes) for m, p in plans.items()}
+    move, why, alternatives = choose_move(req.table_move, costs, refused)
+    return dataclasses.replace(
+        plans[move], table_move=move, move_reason=why, move_alternatives=alternatives
+    )
+
+
+def assemble_plan(
+    req: PlanRequest,
+    lay: LookupLayout,
+    coll: LookupCollectives | None = None,
+    choice: ExchangeChoice | None = None,
+) -> EmbeddingPlan:
+    """The `EmbeddingPlan` of a request's layout, its collectives and its exchange (the
+    steps after `lookup_layout` run here when not given)."""
+    coll = lookup_collectives(req, lay) if coll is None else coll
+    choice = choose_lookup_exchange(req, lay, coll) if choice is None else choice
     return EmbeddingPlan(
         mesh_axes=tuple(req.mesh_axes),
         x_shape=req.x_shape,
@@ -528,6 +578,107 @@ def plan_request(req: PlanRequest) -> EmbeddingPlan:
         routed=choice.routed,
         impl=req.impl,
     )
+
+
+# --- the weight gather: the table's shard whole over G for the step ---------------------------
+
+
+def weighs_a_gather(req: PlanRequest, lay: LookupLayout) -> bool:
+    """Whether the plan weighs the weight gather: a plain lookup (no bag, no update) whose
+    table's hidden axes split the ids' or the output's batch too (a conflict the `"none"`
+    move resolves by moving the ids and the output)."""
+    if req.bag is not None or req.update or not lay.hidden_axes:
+        return False
+    batch = {a for e in (*lay.x_dm, *lay.out_entries[:-1]) for a in e}
+    return bool(batch & set(lay.hidden_axes))
+
+
+def _not_weighed(req: PlanRequest, lay: LookupLayout) -> str:
+    if req.bag is not None or req.update:
+        return "only a plain lookup's plan gathers its table (not a bag's, not an update's)"
+    if not lay.hidden_axes:
+        return "the table's hidden axis is not split: there is nothing to gather"
+    return f"neither the ids nor the output split their batch over {lay.hidden_axes}"
+
+
+def _no_gather_message(lay: LookupLayout, why: str) -> str:
+    return (
+        f"table_move='gather' needs the table's hidden axes split over mesh axes that also "
+        f"split the output's batch, but {why}: ids {entries_spec(lay.x_dm)}, table "
+        f"{entries_spec((lay.row_axes, lay.hidden_axes))}, output {lay.out_spec}; pass an "
+        f"out_spec whose batch is split over {lay.hidden_axes or 'them'}, or "
+        "table_move='none' (or 'auto')"
+    )
+
+
+def gather_option(req: PlanRequest, lay: LookupLayout, out_spec: P) -> EmbeddingPlan | str:
+    """The plan with the weight gather, reaching the same output `out_spec` as the plan
+    without it, or why it does not apply.
+
+    G is the table's hidden axes that the output's batch uses; they must be the minor end of
+    K (a tiled all_gather over them leaves the shard contiguous). The body is the lookup of
+    a table laid out `(R, K less G)`, planned by the same steps (rules, moves, exchange), with
+    the table's all_gather over G first in the forward; the gradient, partial over G (the
+    rules say so), is reduce-scattered over G back into the table's own layout, and the
+    exchange resolves the rest of the batch axes only.
+    """
+    sizes, hidden_axes = req.sizes, lay.hidden_axes
+    used = {a for e in lay.out_entries[:-1] for a in e}
+    gathered = tuple(a for a in hidden_axes if a in used)
+    if not gathered:
+        return (
+            f"the output {out_spec} does not split its batch over the table's hidden axes "
+            f"{hidden_axes}: pass an out_spec whose batch is, as FSDP programs lay "
+            "activations out"
+        )
+    kept = hidden_axes[: len(hidden_axes) - len(gathered)]
+    if kept + gathered != hidden_axes:
+        return (
+            f"the output's batch uses {gathered} of the table's hidden axes {hidden_axes}, "
+            "not their minor end (a gather over them would not leave a contiguous shard)"
+        )
+    body = dataclasses.replace(
+        req, weight_spec=entries_spec((lay.row_axes, kept)), out_spec=out_spec, table_move="none"
+    )
+    body_lay = lookup_layout(body)
+    missing = [a for a in gathered if a not in body_lay.batch_axes]
+    if missing:
+        return (
+            f"the body's batch is not split over {tuple(missing)} (gathering the table there "
+            "would not make each device's share of the work smaller)"
+        )
+    body_lay = dataclasses.replace(
+        body_lay, batch_axes=tuple(a for a in body_lay.batch_axes if a not in gathered)
+    )
+    coll = lookup_collectives(body, body_lay)
+    choice = choose_lookup_exchange(body, body_lay, coll)
+    if choice.exchange == "routed":
+        return "the routed exchange with a gathered table is not built"
+    if not body_lay.batch_axes:
+        choice = dataclasses.replace(
+            choice, reason=f"the gradient's sum over {gathered} is the weight gather's "
+            "reduce-scatter; no other axis splits the batch",
+        )  # fmt: skip
+    plan = assemble_plan(body, body_lay, coll, choice)
+    rows, e, n = plan.rows_per_shard, itemsize(req.dtype), prod(gathered, sizes)
+    h_body = lay.hidden // prod(kept, sizes)
+    h_own = h_body // n
+    wire = cost.ring_wire_bytes("all-gather", n, rows * h_body * e)
+    why = f"the weight gather: the table's shard whole over {gathered} for the step"
+    table = collective("forward", "all_gather", gathered, "table", (rows, h_body), req.dtype,
+                       wire, why)  # fmt: skip
+    wire = cost.ring_wire_bytes("reduce-scatter", n, rows * h_own * GRAD_ACCUM_BYTES)
+    why = f"the weight gather's transpose: the gradient summed over {gathered}, split back"
+    grad = collective("backward", "psum_scatter", gathered, "weight_grad", (rows, h_own),
+                      "float32", wire, why)  # fmt: skip
+    memory = dataclasses.replace(
+        plan.memory, table_shard=rows * h_own * e, gathered_table=rows * h_body * e
+    )
+    return dataclasses.replace(
+        plan, weight_spec=entries_spec((lay.row_axes, hidden_axes)), hidden_axes=hidden_axes,
+        gathered_axes=gathered, forward=(table, *plan.forward), backward=(*plan.backward, grad),
+        memory=memory,
+    )  # fmt: skip
 
 
 # --- step 1: validate, and the layouts -------------------------------------------------------

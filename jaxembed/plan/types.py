@@ -129,7 +129,10 @@ class MemoryEstimate:
         their optimizer state, float32 (0 for a gradient plan; it builds `weight_grad_f32`).
       state_bytes: the optimizer state's shard (0 unless the plan was made for an update with
         its optimizer's slots).
+      gathered_table: the table's shard gathered over the weight gather's axes, `[V/R, H/K']`
+        in the table's dtype, live in the forward only (0 without the weight gather).
       peak_backward: (property) `weight_grad_f32 + update_buffers + exchange_buffers + out`.
+      peak_bytes: (property) the larger of `gathered_table + out` and `peak_backward`.
 
     Examples:
       >>> import jax, jaxembed
@@ -149,10 +152,17 @@ class MemoryEstimate:
     touched_rows: int = 0
     update_buffers: int = 0
     state_bytes: int = 0
+    gathered_table: int = 0
 
     @property
     def peak_backward(self) -> int:
         return self.weight_grad_f32 + self.update_buffers + self.exchange_buffers + self.out
+
+    @property
+    def peak_bytes(self) -> int:
+        """The step's own largest live buffers: the forward's gathered table and output, or
+        the backward's (`peak_backward`), whichever is larger (the table shard not counted)."""
+        return max(self.gathered_table + self.out, self.peak_backward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +239,14 @@ class EmbeddingPlan:
       out_type_spec: in an Explicit mesh whose axes of size 1 the caller's layouts name, the
         output's type with them (the kernels retype it, free: a split into one piece), else
         None.
+      table_move: `"none"` (the table stays; ids and activations move) or `"gather"`
+        (FSDP's weight gather: the table's shard is all-gathered over `gathered_axes` for the
+        step and its gradient reduce-scattered back over them, `jaxembed.plan.table_moves`).
+      gathered_axes: G, the table's hidden axes the weight gather gathers (empty for
+        `"none"`); the body runs the table as `(R, K less G)`, and `batch_axes` leaves G out
+        (the reduce-scatter sums over G).
+      move_reason, move_alternatives: why this move, and `((move, wire bytes, peak bytes),
+        ...)` of every move priced (empty where the table's hidden axes split no batch).
 
     Every spec names no mesh axis of size 1 (a split into one piece): plans drop them, so no
     collective or copy spans a group of one device.
@@ -299,6 +317,25 @@ class EmbeddingPlan:
     routed: RoutedPlan | None = None
     impl: str = "xla"
     out_type_spec: P | None = None
+    table_move: str = "none"
+    gathered_axes: tuple[str, ...] = ()
+    move_reason: str = ""
+    move_alternatives: tuple[tuple[str, float, int], ...] = ()
+
+    @property
+    def body_hidden_axes(self) -> tuple[str, ...]:
+        """The hidden axes of the table as the body runs it: K less the gathered ones."""
+        return tuple(a for a in self.hidden_axes if a not in self.gathered_axes)
+
+    @property
+    def body_table_shard_shape(self) -> tuple[int, int]:
+        """The table's block in the body: `table_shard_shape`, or `[V/R, H/K']` gathered."""
+        return (self.rows_per_shard, self.weight_shape[1] // self._size(self.body_hidden_axes))
+
+    @property
+    def wire_bytes(self) -> float:
+        """Ring-model bytes each device sends in one step (forward and backward)."""
+        return self.forward_wire_bytes + self.backward_wire_bytes
 
     @property
     def gradient_exchange(self) -> str:
