@@ -318,16 +318,16 @@ def test_default_threads_divide_the_cores_by_the_meshs_devices(monkeypatch):
 
 
 def test_results_do_not_depend_on_thread_count(monkeypatch):
-    """Big enough for 2 threads (>= 16k slots each): bitwise the 1-thread results."""
-    table, local, valid, seg, scale = make_slots(6, 40_000, rows=5000, segments=3000)
+    """Big enough for 2 threads (>= 2^18 slots each): bitwise the 1-thread results."""
+    table, local, valid, seg, scale = make_slots(6, 300_000, rows=5000, segments=3000)
     sorted_seg = np.sort(seg)
     og = jnp.asarray(np.random.default_rng(6).normal(size=(3000, H)), jnp.float32)
     f = FORMULAS["rowwise_adagrad"]
     # 72 columns over 200 rows: the dense update, whose threads split the columns (4 + 1 lines)
-    wide = make_slots(7, 40_000, rows=200, segments=3000, hidden=72)
+    wide = make_slots(7, 300_000, rows=200, segments=3000, hidden=72)
     wide_og = jnp.asarray(np.random.default_rng(7).normal(size=(3000, 72)), jnp.float32)
-    # 500 distinct rows of 200k, each ~60 times: the compact block
-    few = make_slots(8, 40_000, rows=200_000, segments=3000, hidden=72, distinct=500)
+    # 500 distinct rows of 200k, each ~450 times: the compact block
+    few = make_slots(8, 300_000, rows=200_000, segments=3000, hidden=72, distinct=500)
     runs = []
     for threads in ("1", "2"):
         monkeypatch.setenv("JAXEMBED_NUM_THREADS", threads)

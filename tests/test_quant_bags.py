@@ -145,12 +145,12 @@ def test_the_public_path_is_one_custom_call_with_the_twins_results(form):
 
 
 def test_two_threads_give_the_one_thread_results(monkeypatch):
-    """Enough slots for 2 threads (16k each), bags handed out in runs by a counter."""
+    """Enough slots for 2 threads (2^18 each), bags handed out in runs by a counter."""
     q, _ = _table(0)  # int8, dim 37
     rng = np.random.default_rng(5)
-    ids = jnp.asarray(rng.integers(-2, V + 2, (4_000, 12)))
+    ids = jnp.asarray(rng.integers(-2, V + 2, (24_000, 12)))  # 288k slots
     weights = jnp.asarray(rng.uniform(0.1, 2.0, ids.shape).astype(np.float32))
-    flat, lengths = ids.reshape(-1), jnp.asarray(rng.integers(0, 24, 2_000))
+    flat, lengths = ids.reshape(-1), jnp.asarray(rng.integers(0, 24, 24_000))  # ~276k ids
     results = {}
     for threads in ("1", "2"):
         monkeypatch.setenv("JAXEMBED_NUM_THREADS", threads)  # read when traced

@@ -126,10 +126,11 @@ def test_no_slots_and_no_rows_give_empty_bags():
 
 
 def test_two_threads_give_the_one_thread_results(monkeypatch):
-    """Big enough for 2 threads (>= 16k slots each) and runs of bags handed out by a counter."""
+    """Big enough for 2 threads (>= 2^18 slots each) and runs of bags handed out by a
+    counter."""
     q = _table(0)  # int8, dim 37
     rng = np.random.default_rng(5)
-    m, s = 40_000, 1_500
+    m, s = 300_000, 1_500
     ids = jnp.asarray(rng.integers(-2, V + 2, m))
     valid = (ids >= 0) & (ids < V)
     segments = jnp.asarray(np.sort(rng.integers(-1, s, m)))
