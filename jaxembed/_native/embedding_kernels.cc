@@ -1045,12 +1045,21 @@ void UpdateRows(const SortedSlots& sorted, Team& team, const UpdateBuffers& ub, 
                 const PrefetchOf& prefetch_of) {
   const int threads = team.size();
   T* table = static_cast<T*>(ub.table);
+  // Each sorted slot's row, read once in order: the runs and the prefetch cursor read it
+  // again and again, and row_of(slot) is two reads at random (the slot's valid and local).
+  const int32_t* slots = sorted.slots.get();
+  auto keys = Uninitialized<int32_t>(sorted.n);
+  int32_t* kp = keys.get();
   team.Run([&](int t) {
+    for (int64_t j = PartStart(sorted.n, threads, t), e = PartStart(sorted.n, threads, t + 1);
+         j < e; ++j)
+      kp[j] = static_cast<int32_t>(row_of(slots[j]));
+  });
+  team.Run([&](int t) {
+    auto key = [&](int64_t j) -> int64_t { return kp[j]; };
     const int64_t begin = RunAlignedStart(sorted, threads, t, row_of);
     const int64_t end = RunAlignedStart(sorted, threads, t + 1, row_of);
     std::vector<float> g(H), w(H);
-    const int32_t* slots = sorted.slots.get();
-    auto key = [&](int64_t j) { return row_of(slots[j]); };
     // The rows touched are sparse and ascending, which the hardware prefetcher does not follow:
     // a cursor kRowsAhead distinct rows ahead prefetches each row and its state.
     int64_t ahead = begin;
