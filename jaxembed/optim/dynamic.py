@@ -101,6 +101,7 @@ __all__ = [
     "check_dynamic_table",
     "init_table",
     "prepare",
+    "remap_engine",
     "remap_table",
     "reset_optimizer_rows",
     "reset_table_rows",
@@ -200,7 +201,7 @@ def _check_rows_at(config: DynamicTableConfig, table: Any, rows_at: Any) -> int:
     return int(rows_at)
 
 
-def _check_impl(impl: Any) -> Any:
+def remap_engine(impl: Any) -> Any:
     """The remap module `impl` names: `remap_native` where "native" (or "auto" and built)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
@@ -640,7 +641,7 @@ def _prepare(
     weight_spec, check_ids, rows_at,
 ):  # fmt: skip
     """`prepare`, also returning the step's reset rows (`remap_table`)."""
-    engine = _check_impl(impl)
+    engine = remap_engine(impl)
     check_dynamic_table(config, dyn_table, rows_at)
     rows_at = None if rows_at is None else int(rows_at)
     table = dyn_table.table
@@ -927,7 +928,7 @@ def rows_for(
       >>> rows_for(cfg, dyn, np.array([5, 6], np.int64)).tolist()    # nothing admitted yet
       [8, 8]
     """
-    engine = _check_impl(impl)
+    engine = remap_engine(impl)
     if isinstance(state, DynamicTable):
         state = state.state
     remap.check_state(config, state)

@@ -43,7 +43,8 @@ import numpy as np
 
 from jaxembed.dynamic.config import DynamicTableConfig
 from jaxembed.dynamic.keys import as_keys, is_reserved, to_uint64
-from jaxembed.kernels import remap, remap_native
+from jaxembed.kernels import remap
+from jaxembed.optim.dynamic import remap_engine
 from jaxembed.optim.sparse import RowSparseOptimizer
 from jaxembed.tiered.checkpoint import restore_store, save_store
 from jaxembed.tiered.store import StoreSlot, TableStore
@@ -111,15 +112,6 @@ def _check_optimizer(optimizer: Any) -> None:
             f"jaxembed.optim.rowwise_adagrad(0.05)) or None, got {type(optimizer).__name__}: "
             "a tiered table trains the rows it caches with the row-sparse update"
         )
-
-
-def _engine(impl: str) -> Any:
-    """The remap module `impl` names (`"auto"`: the native one where it is built)."""
-    if impl not in ("auto", "xla", "native"):
-        raise ValueError(f"impl={impl!r} must be 'auto', 'xla' or 'native'")
-    if impl == "native" and not remap_native.available():
-        raise RuntimeError("impl='native': the native kernels are unavailable; pass impl='xla'")
-    return remap if impl == "xla" or not remap_native.available() else remap_native
 
 
 _STEPS: dict[Any, Any] = {}
@@ -222,7 +214,7 @@ class TieredTable:
         self.spill_rows = max(s, c // 8) if spill_rows is None else int(spill_rows)
         if self.spill_rows < 0:
             raise ValueError(f"spill_rows={spill_rows} must be >= 0")
-        self._engine = _engine(impl)
+        self._engine = remap_engine(impl)
         self._step_jit = _step_program(self._engine)
         self.state = remap.init_state(self.config)
         self.table = jnp.zeros((c + self.spill_rows, store.dim), store.dtype)
