@@ -1040,21 +1040,12 @@ struct NoPrefetch {
 };
 
 template <Formula F, class T, class G, class RowOf, class GradOf, class PrefetchOf>
-void UpdateRows(const SortedSlots& sorted, Team& team, const UpdateBuffers& ub, int64_t H,
-                const Hyper& hp, const RowOf& row_of, const GradOf& grad_of,
-                const PrefetchOf& prefetch_of) {
+void UpdateRows(const SortedSlots& sorted, const int32_t* kp, Team& team,
+                const UpdateBuffers& ub, int64_t H, const Hyper& hp, const RowOf& row_of,
+                const GradOf& grad_of, const PrefetchOf& prefetch_of) {
   const int threads = team.size();
   T* table = static_cast<T*>(ub.table);
-  // Each sorted slot's row, read once in order: the runs and the prefetch cursor read it
-  // again and again, and row_of(slot) is two reads at random (the slot's valid and local).
   const int32_t* slots = sorted.slots.get();
-  auto keys = Uninitialized<int32_t>(sorted.n);
-  int32_t* kp = keys.get();
-  team.Run([&](int t) {
-    for (int64_t j = PartStart(sorted.n, threads, t), e = PartStart(sorted.n, threads, t + 1);
-         j < e; ++j)
-      kp[j] = static_cast<int32_t>(row_of(slots[j]));
-  });
   team.Run([&](int t) {
     auto key = [&](int64_t j) -> int64_t { return kp[j]; };
     const int64_t begin = RunAlignedStart(sorted, threads, t, row_of);
@@ -1209,27 +1200,24 @@ void UpdateBlockFor(Formula f, int64_t M, int64_t U, Team& team, const UpdateBuf
 }
 
 template <class T, class G, class RowOf, class GradOf, class PrefetchOf>
-void UpdateRowsFor(Formula f, const SortedSlots& sorted, Team& team, const UpdateBuffers& ub,
-                   int64_t H, const Hyper& hp, const RowOf& row_of, const GradOf& grad_of,
-                   const PrefetchOf& pre) {
+void UpdateRowsFor(Formula f, const SortedSlots& sorted, const int32_t* keys, Team& team,
+                   const UpdateBuffers& ub, int64_t H, const Hyper& hp, const RowOf& row_of,
+                   const GradOf& grad_of, const PrefetchOf& pre) {
+  const auto run = [&](auto formula) {
+    UpdateRows<decltype(formula)::value, T, G>(sorted, keys, team, ub, H, hp, row_of, grad_of,
+                                               pre);
+  };
   switch (f) {
-    case Formula::kSgd:
-      return UpdateRows<Formula::kSgd, T, G>(sorted, team, ub, H, hp, row_of, grad_of, pre);
-    case Formula::kAdagrad:
-      return UpdateRows<Formula::kAdagrad, T, G>(sorted, team, ub, H, hp, row_of, grad_of, pre);
+    case Formula::kSgd: return run(std::integral_constant<Formula, Formula::kSgd>{});
+    case Formula::kAdagrad: return run(std::integral_constant<Formula, Formula::kAdagrad>{});
     case Formula::kFbgemmAdagrad:
-      return UpdateRows<Formula::kFbgemmAdagrad, T, G>(sorted, team, ub, H, hp, row_of, grad_of,
-                                                       pre);
+      return run(std::integral_constant<Formula, Formula::kFbgemmAdagrad>{});
     case Formula::kRowwiseAdagrad:
-      return UpdateRows<Formula::kRowwiseAdagrad, T, G>(sorted, team, ub, H, hp, row_of, grad_of,
-                                                        pre);
-    case Formula::kAdam:
-      return UpdateRows<Formula::kAdam, T, G>(sorted, team, ub, H, hp, row_of, grad_of, pre);
+      return run(std::integral_constant<Formula, Formula::kRowwiseAdagrad>{});
+    case Formula::kAdam: return run(std::integral_constant<Formula, Formula::kAdam>{});
     case Formula::kPartialRowwiseAdam:
-      return UpdateRows<Formula::kPartialRowwiseAdam, T, G>(sorted, team, ub, H, hp, row_of,
-                                                            grad_of, pre);
-    case Formula::kFtrl:
-      return UpdateRows<Formula::kFtrl, T, G>(sorted, team, ub, H, hp, row_of, grad_of, pre);
+      return run(std::integral_constant<Formula, Formula::kPartialRowwiseAdam>{});
+    case Formula::kFtrl: return run(std::integral_constant<Formula, Formula::kFtrl>{});
   }
 }
 
@@ -1295,11 +1283,21 @@ ffi::Error RunUpdate(const char* k, const UpdateAttrs& at, ffi::Buffer<ffi::F32>
     return ffi::Error::Success();
   }
   SortedSlots sorted = SortSlotsByKey(M, BitsFor(static_cast<uint64_t>(R)), row_of, team);
+  // Each sorted slot's row, read once in order: the runs below read it again and again, and
+  // row_of(slot) is two reads at random (the slot's valid and local).
+  const int32_t* slots = sorted.slots.get();
+  auto keys = Uninitialized<int32_t>(sorted.n);
+  int32_t* kp = keys.get();
+  team.Run([&](int t) {
+    const int threads = team.size();
+    for (int64_t j = PartStart(sorted.n, threads, t), e = PartStart(sorted.n, threads, t + 1);
+         j < e; ++j)
+      kp[j] = static_cast<int32_t>(row_of(slots[j]));
+  });
   // The distinct rows, ascending: U of them. Few and repeated: sum them in a compact block.
   std::vector<int64_t> distinct;
   for (int64_t j = 0; j < sorted.n; ++j) {
-    const int64_t r = row_of(sorted.slots[j]);
-    if (distinct.empty() || distinct.back() != r) distinct.push_back(r);
+    if (distinct.empty() || distinct.back() != kp[j]) distinct.push_back(kp[j]);
   }
   const int64_t U = static_cast<int64_t>(distinct.size());
   if (U * row_bytes <= kDenseGradBytes && sorted.n >= kCompactMinSlotsPerRow * U &&
@@ -1308,10 +1306,8 @@ ffi::Error RunUpdate(const char* k, const UpdateAttrs& at, ffi::Buffer<ffi::F32>
     int32_t* ci = compact.get();
     std::fill(ci, ci + M, -1);
     for (int64_t j = 0, u = -1, last = -1; j < sorted.n; ++j) {
-      const int32_t i = sorted.slots[j];
-      const int64_t r = row_of(i);
-      if (r != last) ++u, last = r;
-      ci[i] = static_cast<int32_t>(u);
+      if (kp[j] != last) ++u, last = kp[j];
+      ci[slots[j]] = static_cast<int32_t>(u);
     }
     auto index_of = [=](int64_t i) -> int64_t { return ci[i]; };
     const int64_t* rows = distinct.data();
@@ -1324,7 +1320,7 @@ ffi::Error RunUpdate(const char* k, const UpdateAttrs& at, ffi::Buffer<ffi::F32>
   }
   DispatchFloat(ub.table_type, [&](auto zero) {
     using T = decltype(zero);
-    UpdateRowsFor<T, G>(f, sorted, team, ub, H, hp, row_of, grad_of, prefetch_of);
+    UpdateRowsFor<T, G>(f, sorted, kp, team, ub, H, hp, row_of, grad_of, prefetch_of);
   });
   return ffi::Error::Success();
 }
