@@ -314,24 +314,28 @@ std::unique_ptr<T[]> Uninitialized(int64_t n) {
 
 // ---- grouping slots by row: a stable LSD radix sort --------------------------------------------
 
-// The slots sorted by key (ties in slot order): `slots[j]` for j < n. The keys are not stored
-// (the callers recompute `key_of(slot)`): half the scratch memory, whose first touch (page
-// faults) cost as much as a radix pass here.
+// The slots sorted by key (ties in slot order): `slots[j]` and its key `keys[j]` for j < n.
+// The keys travel with the slots: a caller that re-read `key_of(slot)` in sorted order paid
+// random reads per slot (two for a row: the slot's valid and local) at every use.
 struct SortedSlots {
   std::unique_ptr<int32_t[]> slots;
+  std::unique_ptr<int32_t[]> keys;
   int64_t n = 0;
 };
 
 constexpr int kMaxDigitBits = 11;  // measured here: 11 beats 7, 8 and 12
 
-// Sorts the candidates i in [0, m) whose `key_of(i)` is >= 0 (keys < 2^bits) by key, stably.
+// Sorts the candidates i in [0, m) whose `key_of(i)` is >= 0 (keys < 2^bits <= 2^31) by key,
+// stably.
 //
 // Not a comparison sort: LSD radix with digits of at most 11 bits (2 passes for 2M rows). The
 // first pass reads the candidates in place and skips the ones with a negative key, so the
-// compaction of the live slots costs no pass of its own. Each pass is parallel: every thread
-// counts its contiguous chunk, the counts are laid out digit-major / thread-minor, and every
-// thread scatters its chunk in order, which keeps the sort stable (FBGEMM's CPU backward groups
-// a batch's indices by row with a parallel radix sort too).
+// compaction of the live slots costs no pass of its own. A sort of more than one pass moves
+// (key << 32 | slot) pairs, so that every later pass reads its digit in order (reading
+// `key_of(slot)` there was two random reads per slot and pass). Each pass is parallel: every
+// thread counts its contiguous chunk, the counts are laid out digit-major / thread-minor, and
+// every thread scatters its chunk in order, which keeps the sort stable (FBGEMM's CPU backward
+// groups a batch's indices by row with a parallel radix sort too).
 template <class KeyOf>
 SortedSlots SortSlotsByKey(int64_t m, int bits, const KeyOf& key_of, Team& team) {
   const int threads = team.size();
@@ -353,7 +357,7 @@ SortedSlots SortSlotsByKey(int64_t m, int bits, const KeyOf& key_of, Team& team)
     return total;
   };
 
-  // Pass 0: candidates -> slots_a, by the lowest digit.
+  // Pass 0: candidates -> by the lowest digit.
   team.Run([&](int t) {
     int64_t* c = &counts[t * buckets];
     std::fill(c, c + buckets, 0);
@@ -365,46 +369,67 @@ SortedSlots SortSlotsByKey(int64_t m, int bits, const KeyOf& key_of, Team& team)
   SortedSlots out;
   out.n = exclusive_scan();
   const int64_t n = out.n;
-  auto slots_a = Uninitialized<int32_t>(n);
+  out.slots = Uninitialized<int32_t>(n);
+  out.keys = Uninitialized<int32_t>(n);
+  int32_t* slots = out.slots.get();
+  int32_t* keys = out.keys.get();
+  if (passes == 1) {
+    team.Run([&](int t) {
+      int64_t* c = &counts[t * buckets];
+      for (int64_t i = PartStart(m, threads, t), e = PartStart(m, threads, t + 1); i < e; ++i) {
+        const int64_t k = key_of(i);
+        if (k < 0) continue;
+        const int64_t at = c[static_cast<uint64_t>(k) & mask]++;
+        slots[at] = static_cast<int32_t>(i);
+        keys[at] = static_cast<int32_t>(k);
+      }
+    });
+    return out;
+  }
+  auto pairs_a = Uninitialized<uint64_t>(n);
+  auto pairs_b = Uninitialized<uint64_t>(n);
   team.Run([&](int t) {
     int64_t* c = &counts[t * buckets];
+    uint64_t* a = pairs_a.get();
     for (int64_t i = PartStart(m, threads, t), e = PartStart(m, threads, t + 1); i < e; ++i) {
-      int64_t k = key_of(i);
-      if (k >= 0) slots_a[c[static_cast<uint64_t>(k) & mask]++] = static_cast<int32_t>(i);
+      const int64_t k = key_of(i);
+      if (k >= 0) a[c[static_cast<uint64_t>(k) & mask]++] = static_cast<uint64_t>(k) << 32 | i;
     }
   });
-  if (passes > 1) {
-    auto slots_b = Uninitialized<int32_t>(n);
-    for (int pass = 1; pass < passes; ++pass) {
-      const int shift = pass * digit_bits;
-      auto digit = [&](int64_t j) {
-        return (static_cast<uint64_t>(key_of(slots_a[j])) >> shift) & mask;
-      };
-      team.Run([&](int t) {
-        int64_t* c = &counts[t * buckets];
-        std::fill(c, c + buckets, 0);
-        for (int64_t j = PartStart(n, threads, t), e = PartStart(n, threads, t + 1); j < e; ++j)
-          ++c[digit(j)];
-      });
-      exclusive_scan();
-      team.Run([&](int t) {
-        int64_t* c = &counts[t * buckets];
-        for (int64_t j = PartStart(n, threads, t), e = PartStart(n, threads, t + 1); j < e; ++j)
-          slots_b[c[digit(j)]++] = slots_a[j];
-      });
-      std::swap(slots_a, slots_b);
-    }
+  for (int pass = 1; pass < passes; ++pass) {
+    const int shift = 32 + pass * digit_bits;
+    const bool last = pass == passes - 1;
+    const uint64_t* a = pairs_a.get();
+    team.Run([&](int t) {
+      int64_t* c = &counts[t * buckets];
+      std::fill(c, c + buckets, 0);
+      for (int64_t j = PartStart(n, threads, t), e = PartStart(n, threads, t + 1); j < e; ++j)
+        ++c[(a[j] >> shift) & mask];
+    });
+    exclusive_scan();
+    team.Run([&](int t) {
+      int64_t* c = &counts[t * buckets];
+      uint64_t* b = pairs_b.get();
+      for (int64_t j = PartStart(n, threads, t), e = PartStart(n, threads, t + 1); j < e; ++j) {
+        const int64_t at = c[(a[j] >> shift) & mask]++;
+        if (last) {  // the last pass writes the slots and their keys apart
+          slots[at] = static_cast<int32_t>(a[j] & 0xffffffffu);
+          keys[at] = static_cast<int32_t>(a[j] >> 32);
+        } else {
+          b[at] = a[j];
+        }
+      }
+    });
+    std::swap(pairs_a, pairs_b);
   }
-  out.slots = std::move(slots_a);
   return out;
 }
 
 // The start of thread t's share of the sorted slots, moved forward to a run boundary so that
 // every key (row) belongs to exactly one thread.
-template <class KeyOf>
-int64_t RunAlignedStart(const SortedSlots& s, int threads, int t, const KeyOf& key_of) {
+inline int64_t RunAlignedStart(const SortedSlots& s, int threads, int t) {
   int64_t p = PartStart(s.n, threads, t);
-  while (p > 0 && p < s.n && key_of(s.slots[p]) == key_of(s.slots[p - 1])) ++p;
+  while (p > 0 && p < s.n && s.keys[p] == s.keys[p - 1]) ++p;
   return p;
 }
 

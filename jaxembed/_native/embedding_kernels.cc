@@ -755,7 +755,7 @@ ffi::Error DedupRowsImpl(ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> val
   int32_t* w = which->typed_data();
   int64_t position = -1, previous = 0;
   for (int64_t j = 0; j < M; ++j) {
-    const int64_t slot = sorted.slots[j], current = key(slot);
+    const int64_t slot = sorted.slots[j], current = sorted.keys[j] + lo;
     if (j == 0 || current != previous) {
       ++position;
       u[position] = static_cast<int32_t>(current);
@@ -1034,29 +1034,36 @@ constexpr int kGradsAhead = 16;  // slots whose gradient rows are prefetched ahe
 // row, accumulate a row's gradient in a small buffer, then apply the optimizer to it), then
 // applies the formula to that row and its state in place. `grad_of(slot, &row, &factor)` gives
 // a slot's gradient as factor · row (G[H]), or false for none.
-// Prefetches nothing: a gradient source whose rows need no help (`UpdateRows`' prefetch_of).
-struct NoPrefetch {
-  void operator()(int64_t) const {}
-};
-
-template <Formula F, class T, class G, class RowOf, class GradOf, class PrefetchOf>
-void UpdateRows(const SortedSlots& sorted, const int32_t* kp, Team& team,
-                const UpdateBuffers& ub, int64_t H, const Hyper& hp, const RowOf& row_of,
-                const GradOf& grad_of, const PrefetchOf& prefetch_of) {
+template <Formula F, class T, class G, class GradOf>
+void UpdateRows(const SortedSlots& sorted, Team& team, const UpdateBuffers& ub, int64_t H,
+                const Hyper& hp, const GradOf& grad_of) {
   const int threads = team.size();
   T* table = static_cast<T*>(ub.table);
   const int32_t* slots = sorted.slots.get();
+  const int32_t* kp = sorted.keys.get();
   team.Run([&](int t) {
-    auto key = [&](int64_t j) -> int64_t { return kp[j]; };
-    const int64_t begin = RunAlignedStart(sorted, threads, t, row_of);
-    const int64_t end = RunAlignedStart(sorted, threads, t + 1, row_of);
+    const int64_t begin = RunAlignedStart(sorted, threads, t);
+    const int64_t end = RunAlignedStart(sorted, threads, t + 1);
+    // Each sorted slot's gradient source (row and factor), gathered into sorted order in one
+    // pass whose reads do not wait on each other: read inside the sum, a bag's segment and
+    // scale were two random reads in the chain before its gradient row's address was known.
+    auto src_of = Uninitialized<const G*>(end - begin);
+    auto factor_of = Uninitialized<float>(end - begin);
+    const G** src = src_of.get() - begin;
+    float* factor = factor_of.get() - begin;
+    for (int64_t k = begin; k < end; ++k) {
+      const G* row = nullptr;
+      float f = 0.0f;
+      src[k] = grad_of(slots[k], &row, &f) ? row : nullptr;
+      factor[k] = f;
+    }
     std::vector<float> g(H), w(H);
     // The rows touched are sparse and ascending, which the hardware prefetcher does not follow:
     // a cursor kRowsAhead distinct rows ahead prefetches each row and its state.
     int64_t ahead = begin;
     auto prefetch_next = [&]() {
       if (ahead >= end) return;
-      const int64_t r = key(ahead);
+      const int64_t r = kp[ahead];
       PrefetchRowForWrite(table + r * H, H * sizeof(T));
       for (int s = 0; s < NumSlots(F); ++s) {
         if (ub.per_row[s]) {
@@ -1066,19 +1073,22 @@ void UpdateRows(const SortedSlots& sorted, const int32_t* kp, Team& team,
         }
       }
       do ++ahead;
-      while (ahead < end && key(ahead) == r);
+      while (ahead < end && kp[ahead] == r);
     };
     for (int i = 0; i < kRowsAhead; ++i) prefetch_next();
     for (int64_t a = begin; a < end;) {
-      const int64_t r = key(a);
+      const int64_t r = kp[a];
       int64_t b = a + 1;
-      while (b < end && key(b) == r) ++b;
+      while (b < end && kp[b] == r) ++b;
       prefetch_next();
       // The slots of a row read their gradients (a bag's out_grad row) in no order the
-      // hardware prefetcher follows: `prefetch_of` asks for the one kGradsAhead slots on.
+      // hardware prefetcher follows: the one kGradsAhead slots on is asked for.
       WeightedSum<G>(g.data(), H, a, b, [&](int64_t k, const G** row, float* f, int64_t c) {
-        if (c == 0 && k + kGradsAhead < end) prefetch_of(slots[k + kGradsAhead]);
-        return grad_of(slots[k], row, f);
+        if (c == 0 && k + kGradsAhead < end && src[k + kGradsAhead] != nullptr)
+          PrefetchRow(src[k + kGradsAhead], H * sizeof(G));
+        *row = src[k];
+        *f = factor[k];
+        return *row != nullptr;
       });
       T* wr = table + r * H;
       for (int64_t h = 0; h < H; ++h) w[h] = ToF32(wr[h]);
@@ -1199,13 +1209,11 @@ void UpdateBlockFor(Formula f, int64_t M, int64_t U, Team& team, const UpdateBuf
   }
 }
 
-template <class T, class G, class RowOf, class GradOf, class PrefetchOf>
-void UpdateRowsFor(Formula f, const SortedSlots& sorted, const int32_t* keys, Team& team,
-                   const UpdateBuffers& ub, int64_t H, const Hyper& hp, const RowOf& row_of,
-                   const GradOf& grad_of, const PrefetchOf& pre) {
+template <class T, class G, class GradOf>
+void UpdateRowsFor(Formula f, const SortedSlots& sorted, Team& team, const UpdateBuffers& ub,
+                   int64_t H, const Hyper& hp, const GradOf& grad_of) {
   const auto run = [&](auto formula) {
-    UpdateRows<decltype(formula)::value, T, G>(sorted, keys, team, ub, H, hp, row_of, grad_of,
-                                               pre);
+    UpdateRows<decltype(formula)::value, T, G>(sorted, team, ub, H, hp, grad_of);
   };
   switch (f) {
     case Formula::kSgd: return run(std::integral_constant<Formula, Formula::kSgd>{});
@@ -1245,12 +1253,11 @@ ffi::Error ParseUpdate(const char* k, const UpdateAttrs& at, ffi::Buffer<ffi::F3
 
 // The rows a valid slot touches: 0 <= local < R (others are dropped, as XLA's scatter drops the
 // out-of-range rows of sparse.apply_rows).
-template <class G, class GradOf, class PrefetchOf = NoPrefetch>
+template <class G, class GradOf>
 ffi::Error RunUpdate(const char* k, const UpdateAttrs& at, ffi::Buffer<ffi::F32> scalars,
                      ffi::Buffer<ffi::S32> local, ffi::Buffer<ffi::PRED> valid,
                      ffi::RemainingArgs args, ffi::RemainingRets rets, int64_t grad_H,
-                     int64_t grad_rows, const GradOf& grad_of, size_t first = 0,
-                     const PrefetchOf& prefetch_of = {}) {
+                     int64_t grad_rows, const GradOf& grad_of, size_t first = 0) {
   Formula f;
   Hyper hp;
   if (auto e = ParseUpdate(k, at, scalars, &f, &hp); e.failure()) return e;
@@ -1283,17 +1290,9 @@ ffi::Error RunUpdate(const char* k, const UpdateAttrs& at, ffi::Buffer<ffi::F32>
     return ffi::Error::Success();
   }
   SortedSlots sorted = SortSlotsByKey(M, BitsFor(static_cast<uint64_t>(R)), row_of, team);
-  // Each sorted slot's row, read once in order: the runs below read it again and again, and
-  // row_of(slot) is two reads at random (the slot's valid and local).
+  // Each sorted slot's row came with it from the sort (row_of(slot) is two reads at random).
   const int32_t* slots = sorted.slots.get();
-  auto keys = Uninitialized<int32_t>(sorted.n);
-  int32_t* kp = keys.get();
-  team.Run([&](int t) {
-    const int threads = team.size();
-    for (int64_t j = PartStart(sorted.n, threads, t), e = PartStart(sorted.n, threads, t + 1);
-         j < e; ++j)
-      kp[j] = static_cast<int32_t>(row_of(slots[j]));
-  });
+  const int32_t* kp = sorted.keys.get();
   // The distinct rows, ascending: U of them. Few and repeated: sum them in a compact block.
   std::vector<int64_t> distinct;
   for (int64_t j = 0; j < sorted.n; ++j) {
@@ -1320,7 +1319,7 @@ ffi::Error RunUpdate(const char* k, const UpdateAttrs& at, ffi::Buffer<ffi::F32>
   }
   DispatchFloat(ub.table_type, [&](auto zero) {
     using T = decltype(zero);
-    UpdateRowsFor<T, G>(f, sorted, kp, team, ub, H, hp, row_of, grad_of, prefetch_of);
+    UpdateRowsFor<T, G>(f, sorted, team, ub, H, hp, grad_of);
   });
   return ffi::Error::Success();
 }
@@ -1345,9 +1344,7 @@ ffi::Error ApplyRowsImpl(ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32> lo
       *f = 1.0f;  // exact: the sum is XLA's segment_sum of the rows
       return true;
     };
-    auto prefetch_of = [=](int64_t i) { PrefetchRow(gp + i * H, H * sizeof(G)); };
-    result = RunUpdate<G>(k, at, scalars, local, valid, args, rets, H, M, grad_of, 0,
-                          prefetch_of);
+    result = RunUpdate<G>(k, at, scalars, local, valid, args, rets, H, M, grad_of);
   });
   return result;
 }
@@ -1375,12 +1372,7 @@ ffi::Error BagApplyRowsImpl(ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::S32>
       *f = sc[i];
       return true;
     };
-    auto prefetch_of = [=](int64_t i) {
-      const int64_t s = seg[i];
-      if (s >= 0 && s < S) PrefetchRow(og + s * H, H * sizeof(G));
-    };
-    result = RunUpdate<G>(k, at, scalars, local, valid, args, rets, H, S, grad_of, 0,
-                          prefetch_of);
+    result = RunUpdate<G>(k, at, scalars, local, valid, args, rets, H, S, grad_of);
   });
   return result;
 }
