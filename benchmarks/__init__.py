@@ -9,6 +9,7 @@
     python -m benchmarks --calibrate             # the cost model's CPU constants
     python -m benchmarks grid                    # 1 device against FBGEMM's TBE, a grid of cells
     python -m benchmarks defaults                # the planner and 8 devices, as users write them
+    python -m benchmarks planner-cells           # the planner without id_stats, the grid's cells
     python -m benchmarks quant-sweep             # quantized pooled lookups against FBGEMM, a sweep
     jaxembed bench ...                           # the same, from a checkout
 
@@ -56,6 +57,7 @@ SUBCOMMANDS = {
     "quant-fbgemm": "benchmarks.quant.fbgemm",
     "quant-sweep": "benchmarks.quant.sweep",
     "grid": "benchmarks.grid.bench",
+    "planner-cells": "benchmarks.grid.planner_cells",
     "defaults": "benchmarks.defaults",
     "llm-head": "benchmarks.llm_head",
     "tiered": "benchmarks.tiered",

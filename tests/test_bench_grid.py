@@ -87,3 +87,22 @@ def test_quick_grid_without_the_peer_and_the_summary(tmp_path, monkeypatch):
                          {"name": "workload (a)", "ratio": 9.0}])  # fmt: skip
     assert s["ratio"]["worst_cell"] == "a" and s["ratio"]["cells"] == 2
     assert s["ratio"]["geomean"] == pytest.approx(0.6)
+
+
+def test_planner_cells_fitting_and_summary(tmp_path):
+    """The 8-device planner sweep's parts that need no 8-device process: which uniform
+    placements fit a budget (by the planner's model), and the summary over cells."""
+    from benchmarks.grid import planner_cells as PC
+
+    C.write_cell(str(tmp_path / "c.npz"), [C.Cell(512, 64, "1-20", "zipf1.1", 100_000)], steps=1)
+    cell = C.read_cell(str(tmp_path / "c.npz"))
+    roomy = PC.fitting(cell, 2**40)
+    assert set(roomy) == set(PC.UNIFORM)
+    tight = PC.fitting(cell, 16 * 2**20)  # a 25.6 MB table (and its state) replicated: no
+    assert "replicated" not in tight and "rows" in tight
+    cells = [{"cell": "a", "fitting": ["rows"], "ratio": 1.0},
+             {"cell": "b", "fitting": ["rows", "table"], "ratio": 1.21},
+             {"cell": "c", "fitting": []}]  # fmt: skip
+    s = PC.summarize(cells)
+    assert s["cells"] == 2 and s["worst_cell"] == "b" and s["within_1_1"] == 1
+    assert s["geomean"] == pytest.approx(1.21**0.5) and s["skipped_no_fit"] == ["c"]
