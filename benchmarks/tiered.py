@@ -12,18 +12,28 @@ One CPU device (set here before jax starts), rowwise Adagrad, `embedding_bag(com
 hot rows are not neighbours in the file), the same batches for every variant.
 
 **(a) A table that fits** (`rows` 2M x `dim` 64 float32), a cache of 5 % and of 20 % of the
-rows: the tiered step (`prepare` on the host, then the jitted step on the cache's slots)
-against the in-memory table's jitted step on the very same ids, in one run, interleaved (each
-step's two variants in alternating order), after `warmup` untimed steps that fill the cache.
-Both steps are compiled ahead of time with the table and optimizer state donated; a step is
-`perf_counter` around the call and `block_until_ready`. Reported: median and p90 step time,
-the ratio to the in-memory step, the median `prepare` alone, the hit rate (distinct ids), and
-whether the store after `flush` equals the in-memory table bit for bit (`equal_bitwise`).
+rows: the tiered pipeline (`prepare(ids, next_ids=the next batch)`, then the jitted step on
+the cache's slots: the next batch's remap and store reads overlap the step) against the
+in-memory table's jitted step on the very same ids, in one run, after `warmup` (50) untimed
+steps that fill the cache (the 20 % one takes about 40), so that every timed step evicts as
+many rows as it reads (and the store's pages have been written once: the first write to a
+clean page of a shared file mapping faults, about 10k faults a step on a fresh store).
+A pipeline is timed over a block of `block` (5) steps, not a step alone (a step's host
+work overlaps the one before it): the variants alternate block by block (each
+block's two in alternating order), each block `perf_counter` from its first call to
+`block_until_ready` of its last step and, for the tiered table, `wait()` for the store I/O in
+flight (the next block's first batch's reads included). A sample is a block's time over its
+steps. Both steps are compiled ahead of time with the table and optimizer state donated.
+Reported: median and p90 step time, the ratio to the in-memory step, the ratio of process
+CPU time (all threads: robust to other processes on a shared machine), the median host time
+in `prepare`, the hit rate (distinct ids), the misses prefetched, and whether the store after
+`flush` equals the in-memory table bit for bit (`equal_bitwise`). `--no-prefetch` times
+`prepare(ids)` alone (the misses read after the step before has finished).
 
 **(b) A table larger than RAM** (`--rows`, off by default: it writes `rows x (4 dim + 4)`
-bytes under `--path`, reused by later runs): `steps` tiered steps with a cache of
-`large_cache_rows`: steps/s, the hit rate, the store's bytes a step (rows and optimizer state,
-read and written), and the disk's random-read bandwidth measured on the same file
+bytes under `--path`, reused by later runs): `steps` tiered steps (`pipeline`, prefetching)
+with a cache of `large_cache_rows`: steps/s, the hit rate, the store's bytes a step (rows and
+optimizer state, read and written), and the disk's random-read bandwidth measured on the same file
 (`os.pread` of `read_samples` rows of `4 dim` bytes at random offsets) with the steps/s that
 bandwidth alone would allow. `--quick` runs (b) too, on a small file in a temporary directory
 (its bandwidth is the page cache's).
@@ -63,8 +73,10 @@ class TieredConfig:
     max_bag: int = 20
     zipf: float = 1.1
     lr: float = 0.05
-    warmup: int = 10
-    steps: int = 30
+    warmup: int = 50  # fills the 20 % cache (about 10k misses a step), so every step evicts
+    steps: int = 40
+    block: int = 5  # steps a timed block: the variants alternate block by block
+    prefetch: bool = True  # the pipeline (prepare with next_ids); False: prepare alone
     large_rows: int | None = None  # (b) off
     large_path: str | None = None
     large_steps: int = 1000
@@ -73,8 +85,9 @@ class TieredConfig:
     seed: int = 0
 
 
-QUICK = TieredConfig(rows=20_000, dim=16, batch=64, warmup=2, steps=3, large_rows=50_000,
-                     large_steps=4, large_cache_rows=2048, read_samples=500)  # fmt: skip
+QUICK = TieredConfig(rows=20_000, dim=16, batch=64, warmup=2, steps=4, block=2,
+                     large_rows=50_000, large_steps=4, large_cache_rows=2048,
+                     read_samples=500)  # fmt: skip
 
 
 def zipf_bags(rng: np.random.Generator, batch: int, rows: int, max_bag: int, a: float):
@@ -128,7 +141,8 @@ def _stats(stats: list[Any], row_bytes: int) -> dict[str, Any]:
 
 
 def run_fits(config: TieredConfig, workdir: str, say: Callable[[str], None]) -> list[dict]:
-    """(a): per cache fraction, the tiered step against the in-memory step, interleaved."""
+    """(a): per cache fraction, the tiered pipeline against the in-memory step, interleaved
+    by blocks of `block` steps on the same batches."""
     import jax
     import jax.numpy as jnp
 
@@ -157,40 +171,62 @@ def run_fits(config: TieredConfig, workdir: str, say: Callable[[str], None]) -> 
         tiered_step = _programs(opt, tiered.table, c.batch, c.max_bag)
         table = jnp.asarray(init)
         state = opt.init(table)
-        times: dict[str, list[float]] = {"tiered": [], "memory": [], "prepare": []}
-        stats = []
-        for i, (ids, g) in enumerate(zip(batches, grads, strict=True)):
-            for variant in ("tiered", "memory") if i % 2 else ("memory", "tiered"):
+
+        def run_tiered(lo: int, hi: int, prepare_s: list[float], stats: list[Any],
+                       tiered: Any = tiered, tiered_step: Any = tiered_step) -> None:  # fmt: skip
+            for i in range(lo, hi):
+                nxt = batches[i + 1] if c.prefetch and i + 1 < n else None
                 t0 = time.perf_counter()
-                if variant == "tiered":
-                    slots, st = tiered.prepare(ids)
-                    prep = time.perf_counter() - t0
-                    tiered.table, tiered.opt_state = tiered_step(
-                        tiered.table, tiered.opt_state, slots, g
-                    )
-                    jax.block_until_ready(tiered.table)
-                    total = time.perf_counter() - t0
-                else:
-                    table, state = mem_step(table, state, jnp.asarray(ids, jnp.int32), g)
-                    jax.block_until_ready(table)
-                    mem = time.perf_counter() - t0
-            if i >= c.warmup:
-                times["tiered"].append(total)
-                times["prepare"].append(prep)
-                times["memory"].append(mem)
+                slots, st = tiered.prepare(batches[i], next_ids=nxt)
+                prepare_s.append(time.perf_counter() - t0)
                 stats.append(st)
+                tiered.table, tiered.opt_state = tiered_step(
+                    tiered.table, tiered.opt_state, slots, grads[i]
+                )
+            jax.block_until_ready(tiered.table)
+            tiered.wait()  # the store reads and writes in flight (the next batch's too)
+
+        def run_memory(lo: int, hi: int) -> None:
+            nonlocal table, state
+            for i in range(lo, hi):
+                table, state = mem_step(table, state, jnp.asarray(batches[i], jnp.int32),
+                                        grads[i])  # fmt: skip
+            jax.block_until_ready(table)
+
+        run_tiered(0, c.warmup, [], [])
+        run_memory(0, c.warmup)
+        wall: dict[str, list[float]] = {"tiered": [], "memory": []}
+        cpu: dict[str, list[float]] = {"tiered": [], "memory": []}
+        prepare_s: list[float] = []
+        stats: list[Any] = []
+        for k, lo in enumerate(range(c.warmup, n, c.block)):
+            hi = min(n, lo + c.block)
+            for variant in ("tiered", "memory") if k % 2 else ("memory", "tiered"):
+                t0, p0 = time.perf_counter(), time.process_time()
+                if variant == "tiered":
+                    run_tiered(lo, hi, prepare_s, stats)
+                else:
+                    run_memory(lo, hi)
+                wall[variant].append((time.perf_counter() - t0) / (hi - lo))
+                cpu[variant].append((time.process_time() - p0) / (hi - lo))
         tiered.flush()
         acc = np.asarray(state.slots["accumulator"])
         equal = bool(
             np.array_equal(np.asarray(store.table), np.asarray(table))
             and np.array_equal(np.asarray(store.slot_arrays["accumulator"]), acc)
         )
-        t, m = time_record(times["tiered"]), time_record(times["memory"])
+        tiered.close()
+        t, m = time_record(wall["tiered"]), time_record(wall["memory"])
+        cpu_ratio = float(np.median(cpu["tiered"]) / np.median(cpu["memory"]))
+        misses = sum(s.misses for s in stats)
         cases.append({
             "name": name, "cache_rows": cache, "cache_fraction": frac,
+            "prefetch": c.prefetch, "block_steps": c.block,
             "tiered": t, "memory": m,
-            "prepare_median_in_ms": time_record(times["prepare"])["time_median_in_ms"],
+            "prepare_median_in_ms": time_record(prepare_s)["time_median_in_ms"],
             "ratio_to_memory": round(t["time_median_in_ms"] / m["time_median_in_ms"], 3),
+            "cpu_ratio_to_memory": round(cpu_ratio, 3),
+            "prefetched_fraction": round(sum(s.prefetched for s in stats) / max(misses, 1), 4),
             "equal_bitwise": equal, **_stats(stats, store.row_bytes),
         })  # fmt: skip
     return cases
@@ -239,13 +275,14 @@ def run_large(config: TieredConfig, path: str, say: Callable[[str], None]) -> di
     rng = np.random.default_rng(c.seed + 1)
     g = jnp.asarray(rng.normal(size=(c.batch, c.dim)).astype(np.float32) * 0.1)
     stats, t0 = [], time.perf_counter()
-    for i in range(c.large_steps):
-        slots, st = tiered.prepare(zipf_bags(rng, c.batch, rows, c.max_bag, c.zipf))
+    loader = (zipf_bags(rng, c.batch, rows, c.max_bag, c.zipf) for _ in range(c.large_steps))
+    for i, (_, slots, st) in enumerate(tiered.pipeline(loader)):
         tiered.table, tiered.opt_state = step(tiered.table, tiered.opt_state, slots, g)
         stats.append(st)
         if i % 100 == 99:
             say(f"step {i + 1}: {(i + 1) / (time.perf_counter() - t0):.2f} steps/s")
     jax.block_until_ready(tiered.table)
+    tiered.wait()
     seconds = time.perf_counter() - t0
     disk = disk_read_bandwidth(os.path.join(path, "table.bin"), 4 * c.dim, c.read_samples)
     out = {"name": f"rows={rows},dim={c.dim},cache_rows={c.large_cache_rows},batch={c.batch}",
@@ -259,14 +296,16 @@ def run_large(config: TieredConfig, path: str, say: Callable[[str], None]) -> di
 
 def markdown(record: dict[str, Any]) -> str:
     lines = [f"# Tiered tables ({record['schema']})", "",
-             "| case | tiered ms (median / p90) | in-memory ms | ratio | prepare ms | hit rate "
-             "| store bytes/step | bitwise |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| case | tiered ms (median / p90) | in-memory ms | ratio | CPU ratio | prepare ms "
+             "| hit rate | prefetched | store bytes/step | bitwise |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for x in record["fits"]:
         t, m = x["tiered"], x["memory"]
         lines.append(
             f"| {x['name']} | {t['time_median_in_ms']:.2f} / {t['time_p90_in_ms']:.2f} "
             f"| {m['time_median_in_ms']:.2f} | {x['ratio_to_memory']:.2f}x "
-            f"| {x['prepare_median_in_ms']:.2f} | {x['hit_rate']:.3f} "
+            f"| {x['cpu_ratio_to_memory']:.2f}x | {x['prepare_median_in_ms']:.2f} "
+            f"| {x['hit_rate']:.3f} | {x['prefetched_fraction']:.3f} "
             f"| {x['store_bytes_per_step']} | {x['equal_bitwise']} |"
         )
     if record.get("large"):
@@ -302,6 +341,12 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--json", metavar="PATH", help="write the record as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write the tables as Markdown")
     p.add_argument("--steps", type=int, help="timed steps of (a)")
+    p.add_argument("--block", type=int, help="(a): steps a timed block (default 5)")
+    p.add_argument(
+        "--no-prefetch",
+        action="store_true",
+        help="(a): time prepare(ids) alone, without the next batch's prefetch",
+    )
     p.add_argument("--rows", type=lambda s: int(s.replace("_", "")),
                    help="(b): a store of these rows on disk (200_000_000: 51 GB)")  # fmt: skip
     p.add_argument("--path", help="(b): the store's directory (default: a temporary one)")
@@ -309,7 +354,8 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--large-cache-rows", type=int, help="(b): the cache's rows (default 2^20)")
     args = p.parse_args(list(argv))
     config = QUICK if args.quick else TieredConfig()
-    changes = {k: v for k, v in (("steps", args.steps), ("large_rows", args.rows),
+    changes = {k: v for k, v in (("steps", args.steps), ("block", args.block),
+               ("prefetch", False if args.no_prefetch else None), ("large_rows", args.rows),
                ("large_path", args.path), ("large_steps", args.large_steps),
                ("large_cache_rows", args.large_cache_rows)) if v is not None}  # fmt: skip
     config = dataclasses.replace(config, **changes)

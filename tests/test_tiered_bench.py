@@ -18,7 +18,8 @@ def test_quick_record(tmp_path):
     for c in fits:
         assert c["equal_bitwise"], c["name"]
         assert 0 < c["hit_rate"] < 1 and c["store_bytes_per_step"] > 0
-        assert len(c["tiered"]["time_samples_in_ms"]) == bench.QUICK.steps
+        assert len(c["tiered"]["time_samples_in_ms"]) == bench.QUICK.steps // bench.QUICK.block
+        assert c["prefetch"] and 0 < c["prefetched_fraction"] <= 1 and c["cpu_ratio_to_memory"] > 0
         assert c["ratio_to_memory"] > 0
     assert fits[1]["hit_rate"] >= fits[0]["hit_rate"]
     large = record["large"]

@@ -8,7 +8,9 @@ Results equal the in-memory table's (docs/tiered.md).
 
 * `jaxembed.tiered.store`: `TableStore`, the memory-mapped files and their JSON header;
 * `jaxembed.tiered.table`: `TieredTable`, the cache and its host-driven step (`prepare`,
-  `flush`, `save`, `restore`), and `TieredStats`;
+  `pipeline`, `flush`, `save`, `restore`), and `TieredStats`;
+* `jaxembed.tiered.prefetch`: the step's two halves (plan, and the worker thread's store
+  reads and writes) that let the next batch's misses be read while a step runs;
 * `jaxembed.tiered.checkpoint`: checkpoints of a store, whole or absent (`save_store`,
   `restore_store`).
 """

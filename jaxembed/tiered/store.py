@@ -249,26 +249,57 @@ class TableStore:
 
     def read(self, ids: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """The rows `ids` (int `[K]`) and their slots: `(dtype[K, dim], {name: f32[K, ...]})`,
-        copies read in ascending id order (the pages in file order)."""
+        copies read in ascending id order (the pages in file order).
+
+        Ids already ascending (what `TieredTable` passes) are read as they are, with one
+        vectorized `numpy.take` a file (no sort, no reordering)."""
         ids = self.check_ids(ids)
+        if _ascending(ids):
+            return self._take(ids)
         order = np.argsort(ids, kind="stable")
+        rows, slots = self._take(ids[order])
         back = np.empty_like(order)
         back[order] = np.arange(order.size)
-        at = ids[order]
-        rows = self.table[at][back]
-        return rows, {n: a[at][back] for n, a in self.slot_arrays.items()}
+        return rows[back], {n: a[back] for n, a in slots.items()}
+
+    def read_into(self, ids: np.ndarray, rows: np.ndarray, slots: dict[str, np.ndarray]) -> None:
+        """The rows `ids` (int64 `[K]`, ascending, in range: not checked) and their slots
+        read into the first K rows of `rows` and of each of `slots` (preallocated buffers)."""
+        k = ids.size
+        table, views = self._views
+        np.take(table, ids, axis=0, out=rows[:k])
+        for n, v in views.items():
+            np.take(v, ids, axis=0, out=slots[n][:k])
+
+    def _take(self, at: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        # `take` on plain ndarray views of the maps: a memmap's own fancy indexing wraps
+        # every result in a memmap, several times slower for a batch's rows.
+        rows = np.take(self._views[0], at, axis=0)
+        return rows, {n: np.take(v, at, axis=0) for n, v in self._views[1].items()}
 
     def write(self, ids: np.ndarray, rows: np.ndarray, slots: dict[str, np.ndarray]) -> None:
         """Rows `ids` (distinct ints `[K]`) and their slots set to `rows` and `slots`, in
-        ascending id order."""
+        ascending id order (ids already ascending are written as they are)."""
         ids = self.check_ids(ids)
         if not ids.size:
             return
-        order = np.argsort(ids, kind="stable")
-        at = ids[order]
-        self.table[at] = np.asarray(rows)[order].astype(self.dtype)
-        for name, a in self.slot_arrays.items():
-            a[at] = np.asarray(slots[name])[order]
+        rows = np.asarray(rows)
+        slots = {name: np.asarray(slots[name]) for name in self.slot_arrays}
+        if not _ascending(ids):
+            order = np.argsort(ids, kind="stable")
+            ids, rows = ids[order], rows[order]
+            slots = {n: a[order] for n, a in slots.items()}
+        table, views = self._views
+        table[ids] = rows.astype(self.dtype, copy=False)
+        for name, v in views.items():
+            v[ids] = slots[name]
+
+    @property
+    def _views(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The maps as plain ndarrays (the same memory)."""
+        return self.table.view(np.ndarray), {
+            n: a.view(np.ndarray) for n, a in self.slot_arrays.items()
+        }
 
     @property
     def row_bytes(self) -> int:
@@ -301,6 +332,10 @@ class TableStore:
         return (
             f"TableStore({self.path!r}, {_describe(self.dtype.name, self.rows, self.dim, names)})"
         )
+
+
+def _ascending(ids: np.ndarray) -> bool:
+    return bool(ids.size < 2 or (ids[1:] > ids[:-1]).all())
 
 
 def write_header(path: str, header: dict[str, Any]) -> None:

@@ -19,6 +19,12 @@ ids as cache slots. The user's step is the static path, unchanged: `jaxembed.emb
 `jaxembed.embedding_bag` and a row-sparse optimizer's `update` on `tiered.table` and
 `tiered.opt_state`. `flush` writes every cached row back.
 
+**Prefetch.** `prepare(ids, next_ids=nxt)` (or `pipeline(loader)`, which reads a loader one
+batch ahead) also plans the next batch: its remap is dispatched before the user's step, and
+a worker thread reads its misses from the store while the step runs; the store's reads and
+write-backs all run on that thread, in order (`jaxembed.tiered.prefetch` says why that is
+exact).
+
 **Spill rows.** A set-associative cache can find a bucket full of the batch's own ids (slots
 looked up this step are never evicted) though the cache has room elsewhere: the remap then
 refuses the id. FBGEMM's UVM cache reads such rows from host memory directly; here they take
@@ -35,14 +41,16 @@ formulas do not depend on where a row sits (`tests/test_tiered.py` checks it bit
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxembed.tiered.prefetch as prefetch
 from jaxembed.dynamic.config import DynamicTableConfig
-from jaxembed.dynamic.keys import as_keys, is_reserved, to_uint64
+from jaxembed.dynamic.keys import keys_to_host
 from jaxembed.kernels import remap
 from jaxembed.optim.dynamic import remap_engine
 from jaxembed.optim.sparse import RowSparseOptimizer
@@ -68,6 +76,7 @@ class TieredStats(NamedTuple):
     bytes_read: int  # bytes read from the store (rows and their optimizer state)
     bytes_written: int  # bytes written to it
     clean: int = 0  # rows that left the device untrained, so not written back
+    prefetched: int = 0  # of the misses, those read while the previous step ran (next_ids)
 
 
 def store_slots(optimizer: RowSparseOptimizer | None, dim: int) -> tuple[StoreSlot, ...]:
@@ -118,15 +127,35 @@ _STEPS: dict[Any, Any] = {}
 
 
 def _step_program(engine: Any) -> Any:
-    """The remap engine's `step`, jitted once per engine (the config static)."""
+    """The remap engine's `step`, jitted once per engine (the config static, the state
+    donated: a batch is checked before its remap runs, so the old state is never needed)."""
     if engine not in _STEPS:
-        _STEPS[engine] = jax.jit(engine.step, static_argnums=0, static_argnames="check")
+        _STEPS[engine] = jax.jit(engine.step, static_argnums=0, static_argnames="check",
+                                 donate_argnums=1)  # fmt: skip
     return _STEPS[engine]
 
 
-def _padded(n: int) -> int:
-    """A static length for n entries: a power of two, at least 8 (few compiled programs)."""
-    return max(8, 1 << max(0, n - 1).bit_length())
+_END = object()  # `pipeline`: the loader is done
+
+
+def _same_ids(planned: np.ndarray, ids: Any) -> bool:
+    """Whether `ids` is the batch a plan was made for."""
+    ids = np.asarray(ids)
+    return (
+        ids.shape == planned.shape
+        and ids.dtype == planned.dtype
+        and bool(np.array_equal(ids, planned))
+    )
+
+
+def _pad_to(at: np.ndarray, fill: int) -> np.ndarray:
+    """int32 `at`, padded with `fill` to `_padded(at.size)`."""
+    out = np.full(_padded(at.size), fill, np.int32)
+    out[: at.size] = at
+    return out
+
+
+_padded = prefetch.padded
 
 
 @jax.jit
@@ -227,6 +256,11 @@ class TieredTable:
         # Dirty rows: trained (or, spill rows, served to a training step) since they were
         # filled or last written back. A clean row is the store's bits, so leaves unwritten.
         self._dirty = np.zeros(c + self.spill_rows, bool)
+        # The host's copy of the map, as of the last commit: the id each slot holds (-1 free).
+        self._ids_at = np.full(c, -1, np.int64)
+        self._scratch = np.zeros(c, np.int64)  # the worker's: slot -> id of a planned batch
+        self._worker = prefetch.Worker()
+        self._pending: tuple[prefetch.Batch, Any] | None = None  # a batch planned ahead
 
     # --- properties ------------------------------------------------------------------------
 
@@ -235,9 +269,9 @@ class TieredTable:
         return self.config.capacity
 
     def cached_ids(self) -> np.ndarray:
-        """int64 `[cache_rows]`: the id each cache slot holds, -1 where free."""
-        keys = np.asarray(self.state.keys)
-        return np.where(is_reserved(keys), -1, to_uint64(keys).astype(np.int64))
+        """int64 `[cache_rows]`: the id each cache slot holds, -1 where free (as of the last
+        `prepare`: a batch planned ahead with `next_ids` is not in it yet)."""
+        return self._ids_at.copy()
 
     # --- the device side -------------------------------------------------------------------
 
@@ -263,20 +297,19 @@ class TieredTable:
     def _pull(self, at: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Cache rows `at` (int32[K]) and their slots, on the host."""
         k = at.size
-        padded = np.zeros(_padded(k), np.int32)
-        padded[:k] = at
-        rows, slots = jax.device_get(_gather(self.table, self._slots(), jnp.asarray(padded)))
+        rows, slots = jax.device_get(_gather(self.table, self._slots(), _pad_to(at, 0)))
         return rows[:k], {n: a[:k] for n, a in slots.items()}
 
     def _push(self, at: np.ndarray, rows: np.ndarray, slots: dict[str, np.ndarray]) -> None:
         """Cache rows `at` (int32[K]) and their slots set to `rows` and `slots`."""
         k, n = at.size, _padded(at.size)
-        where = np.full(n, self.table.shape[0], np.int32)  # past the end: dropped
-        where[:k] = at
         pad = lambda a: np.concatenate([a, np.zeros((n - k, *a.shape[1:]), a.dtype)])
-        values = {name: jnp.asarray(pad(a)) for name, a in slots.items()}
-        table, new = _scatter_donated(self.table, self._slots(), jnp.asarray(where),
-                                      jnp.asarray(pad(rows)), values)  # fmt: skip
+        self._fill(_pad_to(at, self.table.shape[0]), pad(rows),
+                   {name: pad(a) for name, a in slots.items()})  # fmt: skip
+
+    def _fill(self, at: np.ndarray, rows: np.ndarray, slots: dict[str, np.ndarray]) -> None:
+        """`_push` of padded host arrays (`at` past the end: dropped), one transfer each."""
+        table, new = _scatter_donated(self.table, self._slots(), at, rows, slots)
         self.table = table
         if self.opt_state is not None:
             self.opt_state = self.opt_state._replace(slots=new)
@@ -291,12 +324,17 @@ class TieredTable:
 
     # --- the step --------------------------------------------------------------------------
 
-    def prepare(self, ids: Any, *, train: bool | None = None) -> tuple[jax.Array, TieredStats]:
+    def prepare(
+        self, ids: Any, *, train: bool | None = None, next_ids: Any = None
+    ) -> tuple[jax.Array, TieredStats]:
         """The batch's rows in the cache: its ids as cache slots, and what it took.
 
-        Runs one step of the cache's remap on the batch's distinct ids, writes back the rows
-        it evicts (and the rows the last step spilled), reads the misses from the store into
-        their slots (or spill rows), and returns each id's slot.
+        Runs one step of the cache's remap on the batch's ids, writes back the rows it
+        evicts (and the rows the last step spilled), fills the misses from the store into
+        their slots (or spill rows), and returns each id's slot. With `next_ids`, it then
+        plans the next batch: its remap is dispatched now (before the user's step, so it is
+        ready while the step runs) and its misses are read from the store by a worker thread
+        while the step runs, for the next `prepare` (a prefetch; `pipeline` drives it).
 
         Args:
           ids: the batch's row ids, integers of any shape (concrete, on the host); negative
@@ -305,100 +343,163 @@ class TieredTable:
             optimizer). Their slots are then dirty, and written back when they leave the
             device; pass False for lookups alone (evaluation) so that rows a step only read
             leave without a write.
+          next_ids: the next batch's ids (None: not known). The next call should be
+            `prepare(next_ids, ...)`; a call with other ids first takes the planned batch
+            as a lookup (its rows cached, nothing trained: still exact), then its own.
 
         Returns:
           `(slots, stats)`: int32 `[*ids.shape]`, each id's row of `table` (-1 for padding),
           to pass to the lookup and the optimizer's update in its place; a `TieredStats`.
 
         Raises:
-          TypeError: ids that are not integers.
+          TypeError: ids (or next_ids) that are not integers.
           ValueError: an id past the store's rows; more distinct ids than `cache_rows`, or
-            more ids refused by full buckets than `spill_rows` (nothing is changed then).
+            more ids refused by full buckets than `spill_rows`, in ids or next_ids (nothing
+            is changed then).
           RuntimeError: the cache was donated to a step and not set back.
         """
-        ids = np.asarray(ids)
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise TypeError(f"ids must be integer row ids, got {ids.dtype} of shape {ids.shape}")
-        self._check_live()
-        big = ids.reshape(-1)[ids.reshape(-1) >= self.store.rows] if ids.size else ids
-        if big.size:  # before the cast: a uint64 id past 2**63 must not read as padding
-            raise ValueError(f"id {int(big[0])} is outside the store's rows [0, {self.store.rows})")
-        flat = ids.reshape(-1).astype(np.int64)
-        pad = flat < 0
-        self.store.check_ids(flat[~pad])
-        distinct = np.unique(flat[~pad])
-        if distinct.size > self.cache_rows:
-            b = self.config.bucket_size
-            up = -(-distinct.size // b) * b
-            raise ValueError(
-                f"the batch has {distinct.size} distinct ids, but the cache holds cache_rows="
-                f"{self.cache_rows}: every id of a step is cached while it runs; use cache_rows "
-                f">= {distinct.size} (e.g. {up}: a multiple of bucket_size={b}), or smaller batches"
-            )
-        # 1. the cache's remap: hits touched, misses given slots (victims evicted), or refused.
-        keys = as_keys(np.where(pad, -1, flat), check=False)  # -1: the reserved id, padding
+        pending, self._pending = self._pending, None
+        try:
+            same = pending is not None and _same_ids(pending[0].ids, ids)
+            batch = pending[0] if same else self._check(ids, "ids")
+            after = None if next_ids is None else self._check(next_ids, "next_ids")
+            self._check_live()
+        except BaseException:
+            self._pending = pending
+            raise
+        if pending is not None and not same:  # planned, not taken: looked up, not trained
+            self._commit(*pending, train=False, ahead=True)
+        plan = pending if same else (batch, self._plan(batch))
+        out = self._commit(*plan, train=train, ahead=same)
+        if after is not None:
+            self._pending = (after, self._plan(after))
+        return out
+
+    def pipeline(
+        self,
+        batches: Iterable[Any],
+        *,
+        ids: Callable[[Any], Any] | None = None,
+        train: bool | None = None,
+    ) -> Iterator[tuple[Any, jax.Array, TieredStats]]:
+        """The batches of a data loader, each with its slots, the next one prefetched.
+
+        Reads one batch ahead of the loop: `prepare(batch, next_ids=next batch)`, so the
+        next batch's misses are read from the store while the loop body's step runs.
+
+        Args:
+          batches: any iterable (a data loader).
+          ids: a batch's row ids (default: the batch itself is the ids).
+          train: as `prepare`'s.
+
+        Yields:
+          `(batch, slots, stats)`: run the step on `slots` in the loop body, and set the
+          cache back (`tiered.table, tiered.opt_state = step(...)`).
+
+        Examples:
+          >>> import tempfile, numpy as np, jaxembed
+          >>> opt = jaxembed.optim.rowwise_adagrad(0.1)
+          >>> t = TieredTable(create_store(tempfile.mkdtemp() + "/s", rows=64, dim=4,
+          ...                 optimizer=opt), 16, optimizer=opt, bucket_size=8)
+          >>> loader = [np.array([1, 2, 3]), np.array([3, 4]), np.array([5])]
+          >>> [(int(s.misses), int(s.prefetched)) for _, _, s in t.pipeline(loader)]
+          [(3, 0), (1, 1), (1, 1)]
+        """
+        get = (lambda b: b) if ids is None else ids
+        it = iter(batches)
+        batch = next(it, _END)
+        while batch is not _END:
+            after = next(it, _END)
+            nxt = None if after is _END else get(after)
+            yield (batch, *self.prepare(get(batch), train=train, next_ids=nxt))
+            batch = after
+
+    def _check(self, ids: Any, what: str) -> prefetch.Batch:
+        return prefetch.check_batch(ids, rows=self.store.rows, config=self.config,
+                                    spill_rows=self.spill_rows, what=what)  # fmt: skip
+
+    def _plan(self, batch: prefetch.Batch) -> Any:
+        """The remap of `batch` dispatched (the state and step are its from here on), and the
+        worker's `fetch` of its misses submitted (a future)."""
+        # Padding goes in as the reserved id -1 (counted nowhere). Note: dropping it would halve
+        # the remap's input, but the native remap is then many times slower (a batch of ~43k
+        # ids on a 400k cache: ~170 ms against ~6 ms for the same ids with padding, 82k).
+        keys = keys_to_host(np.where(batch.pad, -1, batch.flat), check=False)
         t = remap.check_step_index(self.step)
-        res = self._step_jit(self.config, self.state, jnp.asarray(keys), t, check=False)
-        rows, found, reset, evicted_keys, stats = jax.device_get(
-            (res.rows, res.found, res.reset_rows, res.evicted_keys, res.stats))  # fmt: skip
-        refused = np.unique(flat[~found & ~pad])
-        if refused.size > self.spill_rows:
-            raise ValueError(
-                f"{refused.size} of the batch's {distinct.size} distinct ids found their cache "
-                f"bucket full of the batch's own ids, more than spill_rows={self.spill_rows}: "
-                f"pass spill_rows >= {refused.size}, or a larger cache_rows (the batch fills "
-                f"{100 * distinct.size / self.cache_rows:.0f}% of {self.cache_rows}) or "
-                "bucket_size"
-            )
-        self.state, self.step = res.state, self.step + 1  # the step is kept from here on
+        res = self._step_jit(self.config, self.state, keys, t, check=False)
+        self.state, self.step = res.state, self.step + 1
+        return self._worker.submit(prefetch.fetch, self.store, res, batch, self.cache_rows,
+                                   self.table.shape[0], self._spilled, self._scratch)  # fmt: skip
 
-        # 2. write back what leaves the device: the last step's spills, the evicted rows. First:
-        # an id spilled last step and missed again now is read back below, after its write.
-        cap = self.cache_rows
-        new = reset[reset < cap]  # slots given to an id this step
-        gone = ~is_reserved(evicted_keys[: new.size])
-        out_ids = np.concatenate([self._spilled[0], to_uint64(evicted_keys[: new.size][gone])
-                                  .astype(np.int64)])  # fmt: skip
-        out_at = np.concatenate([self._spilled[1], new[gone]]).astype(np.int32)
+    def _commit(
+        self, batch: prefetch.Batch, future: Any, *, train: bool | None, ahead: bool
+    ) -> tuple[jax.Array, TieredStats]:
+        """A planned batch into the cache: what leaves written back, the misses filled."""
+        p: prefetch.Planned = future.result()
+        cap, pad = self.cache_rows, batch.pad
+        spilled_ids, spilled_at = self._spilled
+
+        # 1. what leaves the device: the rows evicted from their slots, the last step's
+        # spill rows; the dirty ones are gathered (before the fill) and written back by the
+        # worker, in id order, ahead of any later read.
+        old = self._ids_at[p.new]
+        gone = old >= 0
+        out_ids = np.concatenate([spilled_ids, old[gone]])
+        out_at = np.concatenate([spilled_at, p.new[gone]]).astype(np.int32)
         dirty = self._dirty[out_at]
-        written = self._write_back(out_ids[dirty], out_at[dirty])
+        w_ids, w_at = out_ids[dirty], out_at[dirty]
+        order = np.argsort(w_ids)
+        w_ids, w_at = w_ids[order], w_at[order]
 
-        # 3. fill the misses: the admitted ids' slots, then the refused ids' spill rows.
-        held = found & ~pad
-        by_row, first = np.unique(rows[held], return_index=True)
-        new_ids = flat[held][first[np.searchsorted(by_row, new)]]
-        spill_at = (cap + np.arange(refused.size)).astype(np.int32)
-        in_ids = np.concatenate([new_ids, refused])
-        in_at = np.concatenate([new, spill_at]).astype(np.int32)
-        if in_ids.size:
-            self._push(in_at, *self.store.read(in_ids))
-        self._spilled = (refused, spill_at)
-        self._dirty[in_at] = False  # filled: the store's bits
+        # 2. the misses: the ids given slots, then those refused (spill rows). The worker
+        # read them, but for the ids the last step spilled: their values are in their spill
+        # rows, not yet in the store, and move on the device.
+        spill_at = (cap + np.arange(p.refused.size)).astype(np.int32)
+        dest_at = np.concatenate([p.new, spill_at]).astype(np.int32)
+        mv_from = p.moves[0]  # and p.moves[1], their places, in the fill already
+        if mv_from.size:  # waits for the last step: the moved rows are its results
+            mv_rows, mv_slots = self._pull(mv_from)
+            end = p.read + mv_from.size
+            p.fill_rows[p.read : end] = mv_rows
+            for n, a in p.fill_slots.items():
+                a[p.read : end] = mv_slots[n]
+        if w_ids.size:
+            gathered = _gather(self.table, self._slots(), _pad_to(w_at, 0))
+            self._worker.write(prefetch.write_back, self.store, w_ids, gathered)
+        if dest_at.size:
+            self._fill(p.fill_at, p.fill_rows, p.fill_slots)
+
+        # 3. the host's map, dirty bits and the ids' slots.
+        self._ids_at[p.new] = p.new_ids
+        self._spilled = (p.refused, spill_at)
+        self._dirty[dest_at] = False  # filled: the store's bits (once written back)
         if self.optimizer is not None if train is None else train:
-            self._dirty[rows[held]] = True
+            self._dirty[p.rows[p.found]] = True
             self._dirty[spill_at] = True
-
-        slots = np.where(held, rows, -1)
-        slots[~found & ~pad] = spill_at[np.searchsorted(refused, flat[~found & ~pad])]
+        live = np.where(p.found, p.rows, -1).astype(np.int32)
+        live[~p.found] = spill_at[np.searchsorted(p.refused, batch.live[~p.found])]
+        slots_of = np.full(pad.shape, -1, np.int32)
+        slots_of[~pad] = live
+        rb = self.store.row_bytes
         stat = TieredStats(
-            hits=int(stats.hits), misses=int(in_ids.size), spilled=int(refused.size),
-            evicted=int(gone.sum()), written_back=int(dirty.sum()),
-            bytes_read=int(in_ids.size * self.store.row_bytes), bytes_written=int(written),
-            clean=int(dirty.size - dirty.sum()),
+            hits=p.hits, misses=int(dest_at.size), spilled=int(p.refused.size),
+            evicted=int(gone.sum()), written_back=int(w_ids.size),
+            bytes_read=int(p.read * rb), bytes_written=int(w_ids.size * rb),
+            clean=int(dirty.size - w_ids.size), prefetched=p.read if ahead else 0,
         )  # fmt: skip
-        return jnp.asarray(slots.reshape(ids.shape).astype(np.int32)), stat
+        return jax.device_put(slots_of.reshape(batch.ids.shape)), stat
 
     def flush(self) -> int:
         """Every dirty cached row (and the last step's dirty spill rows) written back to the
         store, the optimizer's step count into its header, and the files flushed.
 
-        The cache keeps its rows, clean now: training goes on after a flush. Returns the rows
-        written.
+        The cache keeps its rows, clean now: training goes on after a flush (a batch planned
+        with `next_ids` stays planned). Returns the rows written.
         """
         self._check_live()
-        cached = self.cached_ids()
-        at = np.nonzero(cached >= 0)[0].astype(np.int32)
-        ids = np.concatenate([cached[at], self._spilled[0]])
+        self._worker.drain()  # the write-backs submitted so far, first
+        at = np.nonzero(self._ids_at >= 0)[0].astype(np.int32)
+        ids = np.concatenate([self._ids_at[at], self._spilled[0]])
         at = np.concatenate([at, self._spilled[1]]).astype(np.int32)
         dirty = self._dirty[at]
         ids, at = ids[dirty], at[dirty]
@@ -409,6 +510,17 @@ class TieredTable:
         self.store.flush()
         self._dirty[at] = False
         return int(ids.size)
+
+    def wait(self) -> None:
+        """Waits for the store reads and writes in flight on the worker thread (a write-back,
+        the next batch's prefetch), raising a write-back's error. Timing a pipeline ends
+        with it; nothing else needs it."""
+        self._worker.drain()
+
+    def close(self) -> None:
+        """Waits for the store writes in flight and stops the worker thread (`flush` first
+        to write the cache back; a later `prepare` starts the thread again)."""
+        self._worker.close()
 
     def save(self, path: str) -> int:
         """A checkpoint at `path`: the cache flushed to the store, then the store copied to
