@@ -577,6 +577,36 @@ def local_bag(
 # --- the public entry point --------------------------------------------------------------------
 
 
+_SLOTS_ADDED_IN_ORDER = 64
+"""Dense sum bags of at most this many slots pool by `_pool_dense` (one add a slot,
+unrolled); longer ones, and every other bag, by `pool_sum`'s segment sum."""
+
+
+def _pool_dense(ops, weight, ids: jax.Array, valid: jax.Array) -> jax.Array:
+    """Dense sum bags `[*lead, L]` without weights, pooled without a scatter: f32 `[*lead, H]`.
+
+    Each slot's row (zero where not `valid`), the L slots added one after the other in slot
+    order: the sums `ops.pool_sum`'s segment sum makes, in its order (each bag's slots in
+    slot order), on the same rows (its factors are 1 on the valid slots: `row · 1` is the
+    row), so the same floats. XLA:CPU runs `pool_sum` as a gather and a scatter-add per
+    lookup, and the scatter costs about as much as the gather; these adds fuse with the
+    gather (and a quantized table's decode) into one loop (docs/serving.md, "Latency").
+    Factors other than 1 (mean, sqrtn, weights) stay with the segment sum: XLA:CPU fuses a
+    product into the add after it (an fma) in some shapes and not in others, so the adds
+    here would not round as the segment sum does.
+
+    Args:
+      ops: XLA's kernels for the table (`jaxembed.kernels.local` or `.quant`).
+      weight: the table, float or `QuantizedTable`.
+      ids, valid: int `[*lead, L]` rows (0 where not valid), bool `[*lead, L]`.
+    """
+    rows = ops.gather_rows(weight, ids, valid).astype(jnp.float32)  # f32[*lead, L, H]
+    pooled = rows[..., 0, :]  # f32[*lead, H]
+    for slot in range(1, rows.shape[-2]):
+        pooled = pooled + rows[..., slot, :]
+    return pooled
+
+
 def _dense_bag(batch: ragged.BagBatch, plan_bag, weight, vocab_size, padding_idx):
     """The pooled lookup of `batch` (`Bags.batch`) without a kernel: one device, or XLA's own
     partitioning."""
@@ -588,9 +618,13 @@ def _dense_bag(batch: ragged.BagBatch, plan_bag, weight, vocab_size, padding_idx
     here = valid.reshape(-1)
     ops = kernels_for(None, weight)  # XLA's, on a float or a quantized table
     weight = frozen(weight)
+    slots = batch.ids.shape[-1]
     if plan_bag == "max":
         maxima, _ = ops.pool_max(weight, ids, here, seg.reshape(-1), groups)
         pooled = jnp.where(jnp.isfinite(maxima), maxima, 0.0)
+    elif (plan_bag == "sum" and batch.weights is None and batch.dense
+          and isinstance(slots, int) and 0 < slots <= _SLOTS_ADDED_IN_ORDER):  # fmt: skip
+        pooled = _pool_dense(ops, weight, ids.reshape(batch.ids.shape), valid)
     else:
         pooled = ops.pool_sum(weight, ids, here, seg.reshape(-1), scale.reshape(-1), groups)
     lead = batch.ids.shape[:-1]
