@@ -26,65 +26,64 @@ layouts' own functions are in `jaxembed.plan.layouts`):
    axes), chosen by the cost model (`jaxembed.plan.cost`) or forced.
 7. **memory**: the per-device buffers of what runs.
 
-Steps 1-4 are `lookup_layout` (`validate_request` first), 5 and the backward's transposes
-`lookup_collectives`, 6 `choose_lookup_exchange` (with `routed_option` of
-`jaxembed.plan.routed`), 7 `lookup_memory`.
+Steps 1-4 are `lookup_layout` (`validate_request` first; `jaxembed.plan.lookup_request`), 5 and
+the backward's transposes `lookup_collectives`, 6 `choose_lookup_exchange` (with
+`routed_option` of `jaxembed.plan.routed`), 7 `lookup_memory` (`jaxembed.plan.lookup_costs`).
 
 8. **table move**: where K also splits the output's batch (FSDP: table `P("tensor",
    "fsdp")`, output `P("fsdp", ...)`), `gather_option` plans the same lookup on the table
    gathered over those axes G (`(R, K less G)`, by steps 1-7), with the table's `all_gather`
    first and the gradient's `psum_scatter` over G last; the cheaper of the two moves in bytes
    (`jaxembed.plan.table_moves.choose_move`, shared with the loss's plan) is the plan.
+
+`plan_request` runs them in order (`jaxembed.plan.lookup_steps`, with `gather_option`); this
+module holds the public entry points and re-exports the steps' names.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxembed import layout, rules
-from jaxembed.plan import cost
-from jaxembed.plan.exchange import Geometry, choose_exchange
+from jaxembed import layout
 from jaxembed.plan.impl import resolve_impl
-from jaxembed.plan.layouts import (
-    GRAD_ACCUM_BYTES,
-    ask_rules,
-    body_layout,
-    collective,
-    make_operand,
-    move_collectives,
-    output_layout,
-    table_layout,
+from jaxembed.plan.lookup_costs import (  # re-exported: the steps' names
+    choose_lookup_exchange,
+    lookup_collectives,
+    lookup_memory,
 )
-from jaxembed.plan.moves import local_shape, plan_moves
-from jaxembed.plan.routed import routed_option
+from jaxembed.plan.lookup_request import (  # re-exported: the steps' names
+    Exchange,
+    ExchangeChoice,
+    LookupCollectives,
+    LookupLayout,
+    PlanRequest,
+    check_choices,
+    lookup_layout,
+)
+from jaxembed.plan.lookup_steps import (  # re-exported: the steps' names
+    assemble_plan,
+    gather_option,
+    plan_request,
+    weighs_a_gather,
+)
 from jaxembed.plan.specs import (
     as_spec,
     backend_of,
-    check_divides,
     drop_unit_axes,
-    entries_spec,
     is_explicit_mesh,
-    itemsize,
     mesh_sizes,
-    named,
-    prod,
-    spec_entries,
-    validate_scalars,
 )
-from jaxembed.plan.table_moves import check_table_move, choose_move
+from jaxembed.plan.table_moves import check_table_move
 from jaxembed.plan.types import (
     COMBINERS,
     BagGeometry,
-    Collective,
     EmbeddingPlan,
-    MemoryEstimate,
 )
 
 __all__ = [
@@ -105,11 +104,6 @@ __all__ = [
     "plan_request",
     "weighs_a_gather",
 ]
-
-Exchange = Literal["auto", "dense", "rows", "routed"]
-_EXCHANGES = ("auto", "dense", "rows", "routed")
-_ROUTED_POOLS = ("auto", "source", "owner")
-
 
 # --- the plan -----------------------------------------------------------------------------
 
@@ -371,633 +365,3 @@ def _out_type_spec(req: PlanRequest, out_spec: P) -> P | None:
     unreduced = set(out_spec.unreduced)
     typed = P(*typed.partitions, unreduced=unreduced) if unreduced else P(*typed.partitions)
     return None if typed == out_spec else typed
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanRequest:
-    """A lookup's arguments, normalized: what a plan is derived from (and cached on).
-
-    The fields are `plan_embedding_bag`'s, with the mesh as `mesh_axes` (`((name, size),
-    ...)`) and `explicit` (all its axes `AxisType.Explicit`), specs as `PartitionSpec`s,
-    dtypes as names, `backend` and `impl` resolved.
-    """
-
-    mesh_axes: tuple[tuple[str, int], ...]
-    explicit: bool
-    x_shape: tuple[int, ...]
-    weight_shape: tuple[int, ...]
-    x_spec: P
-    weight_spec: P
-    out_spec: P | None
-    padding_idx: Any
-    vocab_size: Any
-    dtype: str
-    ids_dtype: str
-    exchange: str
-    row_sharding: str
-    backend: str
-    bag: BagGeometry | None
-    lengths_spec: P
-    weights_spec: P
-    update: bool
-    capacity: int | None
-    capacity_factor: float | None
-    impl: str
-    optimizer_slots: tuple[bool, ...]
-    routed_pool: str = "auto"
-    table_move: str = "none"
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(n for n, _ in self.mesh_axes)
-
-    @property
-    def sizes(self) -> dict[str, int]:
-        return dict(self.mesh_axes)
-
-    @property
-    def is_max(self) -> bool:
-        return self.bag is not None and self.bag.combiner == "max"
-
-
-@dataclasses.dataclass(frozen=True)
-class LookupLayout:
-    """The layouts of a lookup, from the table to the body, and the rules' answer on them.
-
-    Attributes:
-      row_axes, hidden_axes: R and K; num_rows, hidden: the table's shape; vocab_size: its
-        real rows.
-      x_dm: the ids' given layout, one entry per ids axis; out_batch: the output's shape
-        without its hidden axis.
-      out_entries, unreduced, out_spec: the output's layout as returned.
-      kept, scatters, body_entries: per output batch axis, the prefix the body runs on; the
-        forward's `psum_scatter`s; the layout the body produces.
-      ids_entries, bag_split: the layout the ids run in; the axes splitting a flat bag's
-        bags.
-      forward_rule, grad_rule: the rules' answers; batch_axes: B; psum_axes: the R axes
-        the forward sums over; body_out_spec: `body_entries` as a spec.
-    """
-
-    row_axes: tuple[str, ...]
-    hidden_axes: tuple[str, ...]
-    num_rows: int
-    hidden: int
-    vocab_size: int
-    x_dm: list
-    out_batch: tuple[int, ...]
-    out_entries: list
-    unreduced: tuple[str, ...]
-    out_spec: P
-    kept: list
-    scatters: list
-    body_entries: list
-    ids_entries: list
-    bag_split: tuple[str, ...]
-    forward_rule: rules.SpmdInfo
-    grad_rule: rules.SpmdInfo
-    batch_axes: tuple[str, ...]
-    psum_axes: tuple[str, ...]
-    body_out_spec: P
-
-
-@dataclasses.dataclass(frozen=True)
-class LookupCollectives:
-    """The operands' moves and the collectives of the forward and of the backward's first
-    steps (the transposes), before any exchange."""
-
-    operands: list
-    out_moves: tuple
-    grad_moves: tuple
-    forward: list
-    transposes: list  # the backward's: out_grad's moves, then the scatters' all_gathers
-    grad_collectives: list  # out_grad's moves alone
-    out_kept_local: tuple[int, ...]
-    ids_local: tuple[int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class ExchangeChoice:
-    """The exchange over B as chosen, and what it changes of the forward and the backward."""
-
-    exchange: str
-    reason: str
-    candidates: tuple
-    operands: list
-    ids_entries: list
-    ids_local: tuple[int, ...]
-    forward: list
-    backward: list
-    buffers: int
-    routed: Any
-    gathers: tuple
-
-    @property
-    def touched(self) -> int:
-        """The id slots one device scatters or updates with the chosen exchange."""
-        return next(c.rows_scattered for c in self.candidates if c.name == self.exchange)
-
-
-@functools.lru_cache(maxsize=512)
-def plan_request(req: PlanRequest) -> EmbeddingPlan:
-    """The plan of a normalized request, in named steps (cached).
-
-    `lookup_layout` (validate, the output's layout, the body's, the rules), then
-    `lookup_collectives` (the operands' moves, the forward's collectives and the backward's
-    transposes), `choose_lookup_exchange` (the exchange over B and its bytes),
-    `lookup_memory`, and the plan itself (`assemble_plan`). Where the table's hidden axes
-    split the batch too, the weight gather (`gather_option`) is priced beside it and the
-    cheaper taken (`jaxembed.plan.table_moves.choose_move`).
-    """
-    lay = lookup_layout(req)
-    plan = assemble_plan(req, lay)
-    if not weighs_a_gather(req, lay):
-        if req.table_move == "gather":
-            raise ValueError(_no_gather_message(lay, _not_weighed(req, lay)))
-        return plan
-    plans, refused = {"none": plan}, ""
-    gathered = gather_option(req, lay, plan.out_spec)
-    if isinstance(gathered, str):
-        refused = gathered
-    else:
-        plans["gather"] = gathered
-    if req.table_move == "gather" and "gather" not in plans:
-        raise ValueError(_no_gather_message(lay, refused))
-    costs = {m: (p.wire_bytes, p.memory.peak_bytes) for m, p in plans.items()}
-    move, why, alternatives = choose_move(req.table_move, costs, refused)
-    return dataclasses.replace(
-        plans[move], table_move=move, move_reason=why, move_alternatives=alternatives
-    )
-
-
-def assemble_plan(
-    req: PlanRequest,
-    lay: LookupLayout,
-    coll: LookupCollectives | None = None,
-    choice: ExchangeChoice | None = None,
-) -> EmbeddingPlan:
-    """The `EmbeddingPlan` of a request's layout, its collectives and its exchange (the
-    steps after `lookup_layout` run here when not given)."""
-    coll = lookup_collectives(req, lay) if coll is None else coll
-    choice = choose_lookup_exchange(req, lay, coll) if choice is None else choice
-    return EmbeddingPlan(
-        mesh_axes=tuple(req.mesh_axes),
-        x_shape=req.x_shape,
-        weight_shape=(lay.num_rows, lay.hidden),
-        vocab_size=lay.vocab_size,
-        padding_idx=None if req.padding_idx is None else int(req.padding_idx),
-        dtype=req.dtype,
-        ids_dtype=req.ids_dtype,
-        x_spec=entries_spec(lay.x_dm),
-        ids_spec=entries_spec(choice.ids_entries),
-        weight_spec=entries_spec((lay.row_axes, lay.hidden_axes)),
-        body_out_spec=lay.body_out_spec,
-        out_spec=lay.out_spec,
-        row_axes=lay.row_axes,
-        hidden_axes=lay.hidden_axes,
-        batch_axes=lay.batch_axes,
-        scatters=tuple(lay.scatters),
-        psum_axes=lay.psum_axes,
-        unreduced_axes=lay.unreduced,
-        bag_split_axes=lay.bag_split,
-        batch_gathers=choice.gathers,
-        exchange=choice.exchange,
-        exchange_reason=choice.reason,
-        candidates=choice.candidates,
-        operands=tuple(choice.operands),
-        out_moves=coll.out_moves,
-        grad_moves=coll.grad_moves,
-        forward=tuple(choice.forward),
-        backward=tuple(choice.backward),
-        memory=lookup_memory(req, lay, coll, choice),
-        forward_rule=lay.forward_rule,
-        grad_rule=lay.grad_rule,
-        bag=req.bag,
-        row_sharding=req.row_sharding,
-        backend=req.backend,
-        for_update=req.update,
-        routed=choice.routed,
-        impl=req.impl,
-    )
-
-
-# --- the weight gather: the table's shard whole over G for the step ---------------------------
-
-
-def weighs_a_gather(req: PlanRequest, lay: LookupLayout) -> bool:
-    """Whether the plan weighs the weight gather: a plain lookup (no bag, no update) whose
-    table's hidden axes split the ids' or the output's batch too (a conflict the `"none"`
-    move resolves by moving the ids and the output)."""
-    if req.bag is not None or req.update or not lay.hidden_axes:
-        return False
-    batch = {a for e in (*lay.x_dm, *lay.out_entries[:-1]) for a in e}
-    return bool(batch & set(lay.hidden_axes))
-
-
-def _not_weighed(req: PlanRequest, lay: LookupLayout) -> str:
-    if req.bag is not None or req.update:
-        return "only a plain lookup's plan gathers its table (not a bag's, not an update's)"
-    if not lay.hidden_axes:
-        return "the table's hidden axis is not split: there is nothing to gather"
-    return f"neither the ids nor the output split their batch over {lay.hidden_axes}"
-
-
-def _no_gather_message(lay: LookupLayout, why: str) -> str:
-    return (
-        f"table_move='gather' needs the table's hidden axes split over mesh axes that also "
-        f"split the output's batch, but {why}: ids {entries_spec(lay.x_dm)}, table "
-        f"{entries_spec((lay.row_axes, lay.hidden_axes))}, output {lay.out_spec}; pass an "
-        f"out_spec whose batch is split over {lay.hidden_axes or 'them'}, or "
-        "table_move='none' (or 'auto')"
-    )
-
-
-def gather_option(req: PlanRequest, lay: LookupLayout, out_spec: P) -> EmbeddingPlan | str:
-    """The plan with the weight gather, reaching the same output `out_spec` as the plan
-    without it, or why it does not apply.
-
-    G is the table's hidden axes that the output's batch uses; they must be the minor end of
-    K (a tiled all_gather over them leaves the shard contiguous). The body is the lookup of
-    a table laid out `(R, K less G)`, planned by the same steps (rules, moves, exchange), with
-    the table's all_gather over G first in the forward; the gradient, partial over G (the
-    rules say so), is reduce-scattered over G back into the table's own layout, and the
-    exchange resolves the rest of the batch axes only.
-    """
-    sizes, hidden_axes = req.sizes, lay.hidden_axes
-    used = {a for e in lay.out_entries[:-1] for a in e}
-    gathered = tuple(a for a in hidden_axes if a in used)
-    if not gathered:
-        return (
-            f"the output {out_spec} does not split its batch over the table's hidden axes "
-            f"{hidden_axes}: pass an out_spec whose batch is, as FSDP programs lay "
-            "activations out"
-        )
-    kept = hidden_axes[: len(hidden_axes) - len(gathered)]
-    if kept + gathered != hidden_axes:
-        return (
-            f"the output's batch uses {gathered} of the table's hidden axes {hidden_axes}, "
-            "not their minor end (a gather over them would not leave a contiguous shard)"
-        )
-    body = dataclasses.replace(
-        req, weight_spec=entries_spec((lay.row_axes, kept)), out_spec=out_spec, table_move="none"
-    )
-    body_lay = lookup_layout(body)
-    missing = [a for a in gathered if a not in body_lay.batch_axes]
-    if missing:
-        return (
-            f"the body's batch is not split over {tuple(missing)} (gathering the table there "
-            "would not make each device's share of the work smaller)"
-        )
-    body_lay = dataclasses.replace(
-        body_lay, batch_axes=tuple(a for a in body_lay.batch_axes if a not in gathered)
-    )
-    coll = lookup_collectives(body, body_lay)
-    choice = choose_lookup_exchange(body, body_lay, coll)
-    if choice.exchange == "routed":
-        return "the routed exchange with a gathered table is not built"
-    if not body_lay.batch_axes:
-        choice = dataclasses.replace(
-            choice, reason=f"the gradient's sum over {gathered} is the weight gather's "
-            "reduce-scatter; no other axis splits the batch",
-        )  # fmt: skip
-    plan = assemble_plan(body, body_lay, coll, choice)
-    rows, e, n = plan.rows_per_shard, itemsize(req.dtype), prod(gathered, sizes)
-    h_body = lay.hidden // prod(kept, sizes)
-    h_own = h_body // n
-    wire = cost.ring_wire_bytes("all-gather", n, rows * h_body * e)
-    why = f"the weight gather: the table's shard whole over {gathered} for the step"
-    table = collective("forward", "all_gather", gathered, "table", (rows, h_body), req.dtype,
-                       wire, why)  # fmt: skip
-    wire = cost.ring_wire_bytes("reduce-scatter", n, rows * h_own * GRAD_ACCUM_BYTES)
-    why = f"the weight gather's transpose: the gradient summed over {gathered}, split back"
-    grad = collective("backward", "psum_scatter", gathered, "weight_grad", (rows, h_own),
-                      "float32", wire, why)  # fmt: skip
-    memory = dataclasses.replace(
-        plan.memory, table_shard=rows * h_own * e, gathered_table=rows * h_body * e
-    )
-    return dataclasses.replace(
-        plan, weight_spec=entries_spec((lay.row_axes, hidden_axes)), hidden_axes=hidden_axes,
-        gathered_axes=gathered, forward=(table, *plan.forward), backward=(*plan.backward, grad),
-        memory=memory,
-    )  # fmt: skip
-
-
-# --- step 1: validate, and the layouts -------------------------------------------------------
-
-
-def check_choices(exchange: str, routed_pool: str, *, pools: bool, is_max: bool) -> None:
-    """Checks `exchange` and `routed_pool` (also where no plan is made: one device).
-
-    Raises:
-      ValueError: an unknown value, or `routed_pool="owner"` for a lookup that pools nothing
-        or a max bag.
-
-    Examples:
-      >>> check_choices("routed", "owner", pools=True, is_max=False)
-      >>> check_choices("route", "auto", pools=True, is_max=False)
-      Traceback (most recent call last):
-      ...
-      ValueError: exchange must be one of ('auto', 'dense', 'rows', 'routed'), got 'route'
-    """
-    if exchange not in _EXCHANGES:
-        raise ValueError(f"exchange must be one of {_EXCHANGES}, got {exchange!r}")
-    if routed_pool not in _ROUTED_POOLS:
-        raise ValueError(f"routed_pool must be one of {_ROUTED_POOLS}, got {routed_pool!r}")
-    if routed_pool == "owner" and (not pools or is_max):
-        what = "a max bag" if is_max else "a lookup that pools nothing"
-        raise ValueError(
-            f"routed_pool='owner' pools partial sums at the rows' owners, which {what} does "
-            "not have: pass routed_pool='auto' (or 'source')"
-        )
-
-
-def validate_request(req: PlanRequest) -> tuple[tuple[str, ...], tuple[str, ...], int, list]:
-    """Checks the options, the table and the ids: `(R, K, vocab_size, the ids' entries)`."""
-    names, sizes = req.names, req.sizes
-    check_choices(req.exchange, req.routed_pool, pools=req.bag is not None, is_max=req.is_max)
-    if req.row_sharding not in ("block", "mod"):
-        raise ValueError(f"row_sharding must be 'block' or 'mod', got {req.row_sharding!r}")
-    row_axes, hidden_axes = table_layout(req.weight_shape, req.weight_spec, names, sizes)
-    vocab_size = validate_scalars(req.weight_shape[0], req.vocab_size, req.padding_idx)
-    x_dm = named(layout.to_dims_mapping(req.x_spec, names, len(req.x_shape)), names)
-    if layout.to_partial_dims(req.x_spec, names):
-        raise ValueError("the ids cannot be unreduced (partial sums)")
-    for dim, (d, e) in enumerate(zip(req.x_shape, x_dm, strict=True)):
-        check_divides(
-            f"ids axis {dim} of size", d, tuple(e), sizes,
-            f"lay the ids out so that axis {dim} divides (e.g. x_spec without {e}), "
-            "or pad the batch to {padded}.",
-        )  # fmt: skip
-    return row_axes, hidden_axes, vocab_size, x_dm
-
-
-def lookup_layout(req: PlanRequest) -> LookupLayout:
-    """Steps 1-4: validate; the output's layout; the body's (kept prefixes, scatters, the
-    ids'); the rules' partial axes on it."""
-    names, sizes, bag = req.names, req.sizes, req.bag
-    row_axes, hidden_axes, vocab_size, x_dm = validate_request(req)
-    num_rows, hidden = req.weight_shape
-    x_shape = req.x_shape
-    # The ids' geometry: which ids axes are output batch axes, which are pooled away.
-    if bag is None:
-        out_batch, given_batch = x_shape, list(x_dm)
-    elif bag.form == "dense":
-        out_batch, given_batch = x_shape[:-1], list(x_dm[:-1])
-    else:
-        out_batch, given_batch = (*x_shape[:-1], bag.num_bags), [*x_dm[:-1], ()]
-    out_entries, unreduced, out_spec = output_layout(
-        req.out_spec, out_batch, given_batch, hidden, row_axes, hidden_axes, names, sizes,
-        req.explicit,
-    )  # fmt: skip
-    if req.is_max and unreduced:
-        raise ValueError(
-            f"out_spec {out_spec} keeps partial results unreduced, but a max-pooled bag has no "
-            "partial sums: request a reduced output"
-        )
-    kept, scatters, body_entries = body_layout(
-        out_entries, row_axes, hidden_axes, unreduced, names, scatter=not req.is_max
-    )
-    if bag is None:
-        ids_entries, bag_split = list(kept), ()
-    elif bag.form == "dense":
-        ids_entries, bag_split = [*kept, ()], ()
-    else:
-        ids_entries, bag_split = [*kept[:-1], ()], kept[-1]
-    for dim, (d, e) in enumerate(zip(x_shape, ids_entries, strict=True)):
-        check_divides(f"ids axis {dim} of size", d, e, sizes, "choose another layout.")
-    # The rules: partial over R in the forward, over B in the backward.
-    forward_rule, grad_rule, partial, batch_axes = ask_rules(
-        x_shape, ids_entries, req.weight_shape, (row_axes, hidden_axes), names, bag, kept
-    )
-    scattered = {a for _, axes in scatters for a in axes}
-    psum_axes = tuple(a for a in partial if a not in scattered and a not in unreduced)
-    return LookupLayout(
-        row_axes=row_axes, hidden_axes=hidden_axes, num_rows=num_rows, hidden=hidden,
-        vocab_size=vocab_size, x_dm=x_dm, out_batch=tuple(out_batch),
-        out_entries=out_entries, unreduced=unreduced, out_spec=out_spec, kept=kept,
-        scatters=scatters, body_entries=body_entries, ids_entries=ids_entries,
-        bag_split=bag_split, forward_rule=forward_rule, grad_rule=grad_rule,
-        batch_axes=batch_axes, psum_axes=psum_axes,
-        body_out_spec=entries_spec(body_entries, unreduced),
-    )  # fmt: skip
-
-
-# --- step 2: the operands and the collectives before the exchange ------------------------------
-
-
-def lookup_operands(req: PlanRequest, lay: LookupLayout) -> list:
-    """The batch operands (ids; a flat bag's lengths; a weighted bag's weights) with their
-    moves into the body."""
-    names, bag, x_shape = req.names, req.bag, req.x_shape
-    operands = [make_operand("ids", x_shape, req.ids_dtype, lay.x_dm, lay.ids_entries)]
-    if bag is not None and bag.form == "flat":
-        lengths_shape = (*x_shape[:-1], bag.num_bags)
-        l_dm = named(layout.to_dims_mapping(req.lengths_spec, names, len(lengths_shape)), names)
-        operands.append(make_operand("lengths", lengths_shape, "int32", l_dm, lay.ids_entries))
-    if bag is not None and bag.weighted:
-        w_dm = named(layout.to_dims_mapping(req.weights_spec, names, len(x_shape)), names)
-        operands.append(make_operand("weights", x_shape, "float32", w_dm, lay.ids_entries))
-    return operands
-
-
-def operand_moves(phase: str, operands, sizes, why) -> list[Collective]:
-    """The collectives of the operands' moves into the body (`why(op)`: each one's reason)."""
-    return [
-        c for op in operands for c in move_collectives(
-            phase, op.name, local_shape(op.shape, spec_entries(op.given), sizes), op.moves,
-            sizes, op.dtype, why(op),
-        )
-    ]  # fmt: skip
-
-
-def lookup_collectives(req: PlanRequest, lay: LookupLayout) -> LookupCollectives:
-    """The forward's collectives (the ids' moves, `psum_scatter` / `psum` over R, the
-    output's moves) and the backward's transposes of them."""
-    sizes, dtype, hidden = req.sizes, req.dtype, lay.hidden
-    e = itemsize(dtype)
-    operands = lookup_operands(req, lay)
-    out_moves = plan_moves(lay.body_entries, lay.out_entries)
-    ids_local = local_shape(req.x_shape, lay.ids_entries, sizes)
-    out_kept_local = (
-        *local_shape(lay.out_batch, lay.kept, sizes), hidden // prod(lay.hidden_axes, sizes)
-    )  # fmt: skip
-    forward = operand_moves(
-        "forward", operands, sizes,
-        lambda op: f"{op.name} {op.given} -> {op.spec}: the ids move, the table stays",
-    )  # fmt: skip
-    shape = list(out_kept_local)
-    transposes: list[Collective] = []
-    for dim, axes in lay.scatters:
-        k = prod(axes, sizes)
-        before = tuple(shape)
-        shape[dim] //= k
-        wire = cost.ring_wire_bytes("reduce-scatter", k, math.prod(shape) * e)
-        why = f"sum the row shards; out_spec splits axis {dim}"
-        forward.append(collective("forward", "psum_scatter", axes, "out", shape, dtype, wire, why))
-        wire = cost.ring_wire_bytes("all-gather", k, math.prod(before) * e)
-        why = f"transpose of the forward psum_scatter on axis {dim}"
-        transposes.insert(
-            0, collective("backward", "all_gather", axes, "out_grad", before, dtype, wire, why)
-        )
-    if lay.psum_axes:
-        k = prod(lay.psum_axes, sizes)
-        wire = cost.ring_wire_bytes("all-reduce", k, math.prod(shape) * e)
-        why = "sum the row shards (each holds its rows, zeros elsewhere)"
-        op = "pmax" if req.is_max else "psum"
-        forward.append(collective("forward", op, lay.psum_axes, "out", shape, dtype, wire, why))
-        if req.is_max:  # which slot won each (bag, column): the earliest among the shards' maxima
-            wire = cost.ring_wire_bytes("all-reduce", k, math.prod(shape) * 4)
-            why = "the winning slot of each maximum, for the backward"
-            forward.append(
-                collective("forward", "pmin", lay.psum_axes, "winners", shape, "int32", wire, why)
-            )
-    forward += move_collectives(
-        "forward", "out", tuple(shape), out_moves, sizes, dtype,
-        f"out {lay.body_out_spec} -> {lay.out_spec}",
-    )  # fmt: skip
-    # The backward starts with the transpose of the output's moves: slices become gathers.
-    grad_moves = plan_moves(lay.out_entries, lay.body_entries)
-    out_local = local_shape((*lay.out_batch, hidden), lay.out_entries, sizes)
-    grad_collectives = move_collectives(
-        "backward", "out_grad", out_local, grad_moves, sizes, dtype,
-        f"out_grad {lay.out_spec} -> {lay.body_out_spec}",
-    )  # fmt: skip
-    return LookupCollectives(
-        operands=operands, out_moves=out_moves, grad_moves=grad_moves, forward=forward,
-        transposes=grad_collectives + transposes, grad_collectives=grad_collectives,
-        out_kept_local=out_kept_local, ids_local=ids_local,
-    )  # fmt: skip
-
-
-# --- step 3: the exchange over B, weighed by the cost model ------------------------------------
-
-
-def price_impl(req: PlanRequest, lay: LookupLayout) -> str:
-    """The kernels the cost model prices: a native update needs the hidden axis whole; over
-    a split one only its dedup is native (`jaxembed.kernels.update`)."""
-    if req.impl == "native" and req.update and lay.hidden_axes:
-        return "native-dedup"
-    return req.impl
-
-
-def choose_lookup_exchange(
-    req: PlanRequest, lay: LookupLayout, coll: LookupCollectives
-) -> ExchangeChoice:
-    """Weighs `dense`, `rows` and `routed` and takes the requested one or the cheapest; the
-    routed exchange replaces the forward's ids moves and scatters with its own."""
-    sizes, x_shape = req.sizes, req.x_shape
-    batch_of_kept = (
-        (d, tuple(a for a in k if a in lay.batch_axes)) for d, k in enumerate(lay.kept)
-    )
-    gathers = tuple((d, b) for d, b in batch_of_kept if b)
-    geometry = Geometry(
-        sizes=sizes, e=itemsize(req.dtype), e_ids=itemsize(req.ids_dtype), dtype=req.dtype,
-        ids_dtype=req.ids_dtype, operands=coll.operands, ids_entries=lay.ids_entries,
-        kept=lay.kept, bag_split=lay.bag_split, batch_axes=lay.batch_axes,
-        out_kept_local=coll.out_kept_local, ids_local=coll.ids_local, num_rows=lay.num_rows,
-        row_axes=lay.row_axes, hidden_local=coll.out_kept_local[-1], is_bag=req.bag is not None,
-        is_max=req.is_max, gathers=gathers,
-    )  # fmt: skip
-    impl = price_impl(req, lay)
-    out_gathers = [c for c in coll.forward if c.operand == "out" and c.op == "all_gather"]
-    routed, routed_candidate, routed_operands = routed_option(
-        scatters=lay.scatters, batch_axes=lay.batch_axes, row_axes=lay.row_axes,
-        operands=coll.operands, ids_entries=lay.ids_entries, sizes=sizes, dtype=req.dtype,
-        out_kept_local=coll.out_kept_local, names=req.names, is_bag=req.bag is not None,
-        capacity=req.capacity, capacity_factor=req.capacity_factor, update=req.update,
-        impl=impl, out_moves_collectives=out_gathers, grad_collectives=coll.grad_collectives,
-        backend=req.backend, unreduced=lay.unreduced,
-        pooled=req.bag is not None and not req.is_max, routed_pool=req.routed_pool,
-    )  # fmt: skip
-    exchange, reason, candidates, exchange_collectives, buffers = choose_exchange(
-        req.exchange, geometry, coll.forward, coll.transposes, req.backend, update=req.update,
-        extra={"routed": routed_candidate}, impl=impl,
-    )  # fmt: skip
-    operands, ids_entries, ids_local = coll.operands, lay.ids_entries, coll.ids_local
-    forward, backward = coll.forward, coll.transposes + exchange_collectives
-    if exchange == "routed":
-        operands = routed_operands
-        ids_entries = list(spec_entries(operands[0].spec))
-        ids_local = local_shape(x_shape, ids_entries, sizes)
-        forward = [
-            *operand_moves("forward", operands, sizes, lambda op: f"{op.name} {op.given} -> "
-                           f"{op.spec}"),
-            *routed.forward,
-            *out_gathers,
-        ]  # fmt: skip
-        backward = [*coll.grad_collectives, *routed.backward]
-    else:
-        routed = None
-    choice = ExchangeChoice(
-        exchange=exchange, reason=reason, candidates=candidates, operands=operands,
-        ids_entries=ids_entries, ids_local=ids_local, forward=forward, backward=backward,
-        buffers=buffers, routed=routed, gathers=gathers,
-    )  # fmt: skip
-    if req.update:  # the update starts from the ids as given, and may sum rows over K
-        backward = update_collectives(req, lay, choice)
-        choice = dataclasses.replace(choice, backward=backward)
-    return choice
-
-
-# --- step 4: the memory ----------------------------------------------------------------------
-
-
-def lookup_memory(
-    req: PlanRequest, lay: LookupLayout, coll: LookupCollectives, choice: ExchangeChoice
-) -> MemoryEstimate:
-    """Per-device bytes of the table shard, the ids, the output, the gradient shard (or the
-    update's buffers and state) and the exchange's buffers."""
-    sizes, slots = req.sizes, req.optimizer_slots
-    e = itemsize(req.dtype)
-    h_local = coll.out_kept_local[-1]
-    grad_shard_shape = (lay.num_rows // prod(lay.row_axes, sizes), h_local)
-    grad_shard = math.prod(grad_shard_shape) * GRAD_ACCUM_BYTES
-    touched = choice.touched
-    per_element = sum(1 for per_row in slots if not per_row)
-    per_row = len(slots) - per_element
-    return MemoryEstimate(
-        table_shard=grad_shard // GRAD_ACCUM_BYTES * e,
-        ids=math.prod(choice.ids_local) * itemsize(req.ids_dtype),
-        out=math.prod(coll.out_kept_local) * e,
-        weight_grad_f32=0 if req.update else grad_shard,
-        exchange_buffers=choice.buffers,
-        touched_rows=touched,
-        update_buffers=update_buffers(
-            req.update, req.impl, lay.hidden_axes, touched, h_local, per_element, per_row
-        ),
-        state_bytes=grad_shard_shape[0] * (h_local * per_element + per_row) * 4,
-    )
-
-
-def update_buffers(update, impl, hidden_axes, touched, h_local, per_element, per_row) -> int:
-    """A row-sparse update's transient bytes per device, float32 and int32, over the M slots
-    it touches. The native update (hidden axis whole) fuses the bag's backward into the
-    update: only each slot's local row, flag, bag and factor are materialized. XLA's holds
-    the slots' gradients, their per-row sums, the rows and state it gathers and the new
-    ones (`[M, H/K]` each), and its dedup's sort keys, order and positions (`[M]` each)."""
-    if not update:
-        return 0
-    if impl == "native" and not hidden_axes:
-        return touched * 4 * 4
-    return touched * (h_local * (4 + per_element) + per_row + 6) * 4
-
-
-def update_collectives(
-    req: PlanRequest, lay: LookupLayout, choice: ExchangeChoice
-) -> list[Collective]:
-    """A row-sparse update's collectives: the ids' moves into its body, a max bag's winners
-    (recomputed: the forward's pmax and pmin), the backward's, and the `psum` over the
-    hidden axes of each touched row's sum of g² for a one-per-row state."""
-    sizes = req.sizes
-    moves = operand_moves(
-        "backward", choice.operands, sizes, lambda op: f"the update moves {op.name} into its body"
-    )
-    winners = [dataclasses.replace(c, phase="backward") for c in choice.forward
-               if req.is_max and c.op in ("pmax", "pmin")]  # fmt: skip
-    rows = []
-    if lay.hidden_axes and any(req.optimizer_slots):
-        k = prod(lay.hidden_axes, sizes)
-        wire = cost.ring_wire_bytes("all-reduce", k, choice.touched * GRAD_ACCUM_BYTES)
-        why = "each touched row's sum of g² over the split hidden axis (one-per-row state)"
-        rows.append(collective("backward", "psum", lay.hidden_axes, "row_sum", (choice.touched,),
-                               "float32", wire, why))  # fmt: skip
-    return [*moves, *winners, *choice.backward, *rows]
