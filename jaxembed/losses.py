@@ -13,11 +13,16 @@ then one all-reduce of the two sums); the statistics are a few bytes per token, 
 gather's extra bytes cost less than the second collective's latency.
 
 The backward (`jax.custom_vjp`) recomputes each chunk of logits from the saved
-log-sum-exp, so nothing `[tokens, V/n]`-sized lives between the passes:
+log-sum-exp, so nothing `[tokens, chunk]`-sized lives between the passes; unchunked, it reuses
+the forward's block of exponentials (the softmax is then one multiply, no second `exp`):
 
     dlogits      = g * ((1 + 2 z lse) softmax - targets)      per chunk, f32[T, C]
     hidden_grad  = psum_R(dlogits @ table_chunk)               f[T, H/K]
     table_grad   = psum_B(dlogits.T @ hidden)                  f[V/R, H/K], the table's layout
+
+`dlogits` itself is never written: the softmax block enters both products, its per-token
+factor applied to their `[T, H]` sides, and the targets' part is a gather of the labels' rows
+(for `hidden_grad`), a scatter into them (for `table_grad`) and, with smoothing, a rank-1 term.
 
 with R the mesh axes splitting the table's rows, K its hidden axis and B the tokens. The
 layouts come from the rule `jaxembed.rules.cross_entropy`; `plan_cross_entropy` prints them.

@@ -266,7 +266,7 @@ def test_collectives_follow_the_plan():
     assert sorted(found) == sorted([
         ("all-gather", ("model",), ((4, 4, 64),)),  # [R, stats, tokens]: forward, once
         ("all-reduce", ("model",), ((64, 32),)),  # hidden_grad [tokens, H]
-        ("all-reduce", ("data",), ((1024, 32),)),  # table_grad, the table's shard
+        ("all-reduce", ("data",), ((32, 1024),)),  # table_grad, the table's shard transposed
     ]), found  # fmt: skip
     plan = plan_cross_entropy(
         mesh, shapes[0], shapes[1], hidden_spec=P("data"), weight_spec=P("model", None),

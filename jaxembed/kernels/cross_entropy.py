@@ -4,8 +4,14 @@
 (`jaxembed.plan.cross_entropy.plan_cross_entropy`), moves `hidden` and the labels into the
 plan's layouts and runs two `shard_map`s under one `jax.custom_vjp`: the forward (an online
 log-sum-exp over the chunks of each device's rows, one `all_gather` of the statistics over
-R) and the backward (each chunk of logits recomputed from the saved log-sum-exp). The math
-is in `jaxembed.losses`' docstring; `jaxembed.losses` is the public face.
+R) and the backward (each chunk of logits recomputed from the saved log-sum-exp, or, in one
+chunk, the forward's exponentials reused). The math is in `jaxembed.losses`' docstring;
+`jaxembed.losses` is the public face.
+
+The products are laid out for the CPU's (and any BLAS's) sake: a gathered table is gathered
+transposed, `[H, V/R]`, so that the gather runs over its major axis and its gradient
+`hT @ p` is born in the layout the reduce-scatter sends back; no product reads an operand
+across its rows (`dz.T @ h`), and no `[T, C]` gradient block is written (`_softmax_grads`).
 
 The body pieces the vocab-parallel metrics (`jaxembed.kernels.vocab_metrics`) share with the
 loss are public here: `chunk_logits` and `softcap_logits` (one chunk of this device's logits,
@@ -103,46 +109,89 @@ def gather_table(plan: CrossEntropyPlan, t: jax.Array) -> jax.Array:
     return jax.lax.all_gather(t, plan.gathered_axes, axis=1, tiled=True, to="invarying")
 
 
+def _loss_table(plan: CrossEntropyPlan, t: jax.Array) -> jax.Array:
+    """The table as the loss's bodies multiply it: gathered over K and transposed,
+    f[V/R, H/K] -> f[H, V/R], when the plan gathers it; else `t` as it is, f[V/R, H/K].
+
+    Transposed, the gather runs over the major axis (no copy of the gathered table on either
+    side of it) and every product reads it as it lies: `h @ tT` for the logits, `p @ tT.T`
+    for hidden's gradient, and `hT @ p` for the table's is born in the gathered layout that
+    the reduce-scatter sends back. Only the device's own shard is transposed, twice (here, and
+    its gradient at the end), where the gather of `[V/R, H]` over its minor axis copied the
+    whole gathered table twice and the reduce-scatter's operand once more.
+    """
+    if not plan.gathered_axes:
+        return t
+    # invarying: the same whole block on every device of K, kept for the backward as it is
+    return jax.lax.all_gather(t.T, plan.gathered_axes, axis=0, tiled=True, to="invarying")
+
+
+def _logits(plan: CrossEntropyPlan, h: jax.Array, tb: jax.Array, c: jax.Array):
+    """Chunk `c`'s logits `f32[T, C]` (whole over K) and the chunk of `tb` they came from."""
+    size = plan.chunk_rows
+    if plan.gathered_axes:  # tb: f[H, V/R]
+        t_c = jax.lax.dynamic_slice_in_dim(tb, c * size, size, axis=1)  # f[H, C]
+        return jnp.matmul(h, t_c, preferred_element_type=jnp.float32), t_c
+    z, _, t_c = chunk_logits(plan, h, tb, c)  # f[C, H/K], psummed over K
+    return z, t_c
+
+
+def _padded(plan: CrossEntropyPlan) -> bool:
+    """Whether the table has rows past `vocab_size` (to be masked out of every block)."""
+    return plan.vocab_size < plan.table_shape[0]
+
+
+def _rows(plan: CrossEntropyPlan, c: jax.Array) -> jax.Array:
+    """The global row ids of chunk `c` of this device's rows: i32[C]."""
+    return row_start(plan) + c * plan.chunk_rows + jnp.arange(plan.chunk_rows)
+
+
 def _forward_body(plan: CrossEntropyPlan, h: jax.Array, t: jax.Array, labels: jax.Array):
     # h: f[*tokens/B, H/K]   t: f[V/R, H/K]   labels: i32[*tokens/B]
     # (K: the table's hidden axes the body leaves split; none when it gathers the table)
-    t = gather_table(plan, t)
+    tb = _loss_table(plan, t)  # f[H, V/R] gathered, else f[V/R, H/K]
     tokens = labels.shape
     h = h.reshape(-1, h.shape[-1])  # f[T, H/K]
     labels = labels.reshape(-1)  # i32[T]
 
     # A capped logit is not linear in the rows: its sum (smoothing's) is taken chunk by chunk.
     capped = plan.softcap is not None
+    padded = _padded(plan)
 
     def step(carry, c):  # the online log-sum-exp of this device's rows, chunk by chunk
         m, s, z_sum = carry  # f32[T] each
-        z_raw, rows, _ = chunk_logits(plan, h, t, c)  # f32[T, C]
+        z_raw, _ = _logits(plan, h, tb, c)  # f32[T, C]
         z, _ = softcap_logits(plan, z_raw)
-        valid = rows[None, :] < plan.vocab_size  # bool[1, C]: padding rows get no mass
-        zm = jnp.where(valid, z, -jnp.inf)
+        valid = _rows(plan, c)[None, :] < plan.vocab_size  # bool[1, C]: padding gets no mass
+        zm = jnp.where(valid, z, -jnp.inf) if padded else z
         m_new = jnp.maximum(m, zm.max(axis=-1))
         shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # all rows so far are padding
-        s = s * jnp.exp(m - shift) + jnp.exp(zm - shift[:, None]).sum(axis=-1)
+        e = jnp.exp(zm - shift[:, None])  # f32[T, C]
+        s = s * jnp.exp(m - shift) + e.sum(axis=-1)
         if capped and plan.label_smoothing > 0:
-            z_sum = z_sum + jnp.where(valid, z, 0.0).sum(axis=-1)
-        return (m_new, s, z_sum), (z_raw if plan.saves_logits else None)
+            z_sum = z_sum + (jnp.where(valid, z, 0.0) if padded else z).sum(axis=-1)
+        # One chunk: the backward reuses its block (the capped logits' chain rule needs z)
+        return (m_new, s, z_sum), ((z_raw if capped else e) if plan.saves_block else None)
 
-    zeros = vary(jnp.zeros(labels.shape, jnp.float32), h, t, labels, drop=plan.partial_axes)
+    zeros = vary(jnp.zeros(labels.shape, jnp.float32), h, tb, labels, drop=plan.partial_axes)
     init = (zeros - jnp.inf, zeros, zeros)
     (m, s, z_sum), saved = jax.lax.scan(step, init, jnp.arange(plan.num_chunks))
+    local_shift = jnp.where(jnp.isfinite(m), m, 0.0)  # what the saved block is relative to
     # The label's logit (and the uncapped logits' sum) are linear in the rows: no [T, C] block.
     start = row_start(plan)
     local = labels - start
     own = (local >= 0) & (local < plan.rows_per_shard) & (labels < plan.vocab_size)
-    t_label = jnp.take(t, jnp.where(own, local, 0), axis=0, mode="clip")  # f[T, H/K]
-    z_label = jnp.where(
-        own, jnp.einsum("th,th->t", h, t_label, preferred_element_type=jnp.float32), 0.0
-    )
+    at = jnp.where(own, local, 0)
+    if plan.gathered_axes:  # tb: f[H, V/R]: the labels' columns
+        t_label = jnp.take(tb, at, axis=1, mode="clip")  # f[H, T]
+        dot = jnp.einsum("th,ht->t", h, t_label, preferred_element_type=jnp.float32)
+    else:
+        t_label = jnp.take(tb, at, axis=0, mode="clip")  # f[T, H/K]
+        dot = jnp.einsum("th,th->t", h, t_label, preferred_element_type=jnp.float32)
+    z_label = jnp.where(own, dot, 0.0)
     if not capped:
         real = (start + jnp.arange(plan.rows_per_shard)) < plan.vocab_size  # bool[V/R]
-        row_sum = jnp.einsum(
-            "v,vh->h", real.astype(t.dtype), t, preferred_element_type=jnp.float32
-        )  # f32[H/K]
+        row_sum = _row_sum(plan, tb, real)  # f32[H/K]
         z_sum = jnp.einsum("th,h->t", h, row_sum, preferred_element_type=jnp.float32)  # f32[T]
     if plan.partial_axes and capped:  # partial over the table's hidden split
         z_label = jax.lax.psum(z_label, plan.partial_axes)
@@ -169,54 +218,140 @@ def _forward_body(plan: CrossEntropyPlan, h: jax.Array, t: jax.Array, labels: ja
     if plan.ignore_index is not None:
         loss = jnp.where(labels == plan.ignore_index, 0.0, loss)
     out = (loss.reshape(tokens), lse.reshape(tokens))  # f32[*tokens/B] twice
-    if plan.saves_logits:  # the one chunk's whole logits, for the backward: f32[*tokens/B, V/R]
+    if plan.saves_block:  # the one chunk's block, for the backward: f32[*tokens/B, V/R]
         out = (*out, saved[0].reshape(*tokens, -1))
-    if plan.gathered_axes:  # the gathered table f[V/R, H], for the backward: no second gather
-        out = (*out, t)
+        if not capped:  # the exponentials are relative to this device's own max
+            out = (*out, local_shift.reshape(*tokens, 1))  # f32[*tokens/B, 1] per shard of R
+    if plan.gathered_axes:  # the gathered table f[H, V/R], for the backward: no second gather
+        out = (*out, tb)
     return out
 
 
-def _backward_body(plan, h, t, labels, lse, g, saved=None):
+def _backward_body(plan, h, t, labels, lse, g, *saved):
     # h: f[*tokens/B, H/K]   t: f[V/R, H/K]   labels: i32[*tokens/B]   lse, g: f32[*tokens/B]
-    # saved: the forward's logits f32[*tokens/B, V/R] when the plan saves them (one chunk)
-    # t: the forward's gathered f[V/R, H] when the plan gathers the table (K none here)
-    h_shape = h.shape
-    h = h.reshape(-1, h.shape[-1])  # f[T, H/K]
-    saved = None if saved is None else saved.reshape(h.shape[0], -1)  # f32[T, V/R]
+    # t: the forward's gathered, transposed table f[H, V/R] when the plan gathers it
+    # saved (one chunk): the forward's block f32[*tokens/B, V/R], the exponentials
+    # exp(z - local_shift) and local_shift f32[*tokens/B, 1] (the logits under a soft cap)
+    h_shape, h_dtype = h.shape, h.dtype
+    h = h.reshape(-1, h.shape[-1]).astype(jnp.float32)  # f32[T, H/K]
     labels, lse, g = labels.reshape(-1), lse.reshape(-1), g.reshape(-1).astype(jnp.float32)
     if plan.ignore_index is not None:
         g = jnp.where(labels == plan.ignore_index, 0.0, g)
-    eps = plan.label_smoothing
+    block = saved[0].reshape(h.shape[0], -1) if saved else None  # f32[T, V/R]
+    tb = t.astype(jnp.float32)  # f32[V/R, H/K], or f32[H, V/R] gathered
     p_coef = g * (_target_mass(plan, labels) + 2.0 * plan.z_loss * lse)  # f32[T]
-    size = plan.chunk_rows
-
-    def step(carry, c):
-        dh, dt = carry  # f32[T, H/K], f32[V/R, H/K]
-        z, rows, t_c = chunk_logits(plan, h, t, c, saved)  # f32[T, C]
-        z, tanh = softcap_logits(plan, z)
-        valid = rows[None, :] < plan.vocab_size  # bool[1, C]
-        p = jnp.where(valid, jnp.exp(z - lse[:, None]), 0.0)
-        target = (1.0 - eps) * (valid & (rows[None, :] == labels[:, None])) + jnp.where(
-            valid, eps / plan.vocab_size, 0.0
-        )
-        dz = p_coef[:, None] * p - g[:, None] * target  # f32[T, C]: d loss / d capped logits
-        if tanh is not None:  # the chain rule through c * tanh(z / c)
-            dz = dz * (1.0 - tanh * tanh)
-        dh = dh + dz @ t_c.astype(jnp.float32)
-        dt_c = dz.T @ h.astype(jnp.float32)  # f32[C, H/K]
-        return (dh, jax.lax.dynamic_update_slice_in_dim(dt, dt_c, c * size, axis=0)), None
-
-    dh = vary(jnp.zeros(h.shape, jnp.float32), h, t, labels, lse, g)
-    dt = vary(jnp.zeros(t.shape, jnp.float32), h, t, labels, lse, g)
-    (dh, dt), _ = jax.lax.scan(step, (dh, dt), jnp.arange(plan.num_chunks))
+    if plan.softcap is None:
+        dh, dt = _softmax_grads(plan, h, tb, labels, lse, g, p_coef, block, saved[1:])
+    else:
+        dh, dt = _capped_grads(plan, h, tb, labels, lse, g, p_coef, block)
     if plan.row_axes:  # every vocab shard contributed to every token's hidden gradient
         dh = jax.lax.psum(dh, plan.row_axes)
     if plan.gathered_axes:  # summed over the token shards of K and split back over K
-        dt = jax.lax.psum_scatter(dt, plan.gathered_axes, scatter_dimension=1, tiled=True)
+        dt = jax.lax.psum_scatter(dt, plan.gathered_axes, scatter_dimension=0, tiled=True)
     rest = tuple(a for a in plan.batch_axes if a not in plan.gathered_axes)
     if rest:  # every token shard contributed to the table's gradient
         dt = jax.lax.psum(dt, rest)
-    return dh.reshape(h_shape).astype(h.dtype), dt.astype(t.dtype)
+    return dh.reshape(h_shape).astype(h_dtype), dt.T.astype(t.dtype)  # dt: f[V/R, H/K]
+
+
+def _softmax_grads(plan, h, tb, labels, lse, g, p_coef, block, shift):
+    """Hidden's gradient f32[T, H/K] and the table's, transposed, f32[H/K, V/R], uncapped.
+
+    `dz = p_coef * p - g * target` with `p = exp(z - lse)` and `target = (1 - eps) *
+    one_hot + eps / V`: only `p` is a `[T, C]` block, and it enters the products as it is,
+    its per-token factor `p_coef` applied to their `[T, H]` sides (the rows of `dh`, the
+    columns of `hT`). The one-hot part is a gather of the labels' rows (for `dh`) and a
+    scatter of the tokens into the labels' columns (for `dt`), the smoothing part a rank-1
+    term: no `dz` block is written, nor read twice.
+    """
+    eps, size = plan.label_smoothing, plan.chunk_rows
+    padded = _padded(plan)
+    w = p_coef  # the products' per-token factor
+    if block is not None:  # p = e * exp(local_shift - lse): the factor takes the second term
+        w = w * jnp.exp(shift[0].reshape(-1) - lse)
+    # hT: the table's gradient `hT @ p` reads both as they lie (p.T @ h would read p across
+    # its rows); the barrier keeps XLA from folding the transpose back into the product.
+    hw_t = jax.lax.optimization_barrier((h * w[:, None]).T)  # f32[H/K, T]
+
+    def step(carry, c):
+        dh, dt = carry  # f32[T, H/K], f32[H/K, V/R]
+        if block is not None:
+            p, t_c = block, _table_chunk(plan, tb, c)  # zero on padding rows already
+        else:
+            z, t_c = _logits(plan, h, tb, c)
+            p = jnp.exp(z - lse[:, None])
+            p = jnp.where(_rows(plan, c)[None, :] < plan.vocab_size, p, 0.0) if padded else p
+        dh = dh + (jnp.einsum("tc,hc->th", p, t_c) if plan.gathered_axes else p @ t_c)
+        return (dh, jax.lax.dynamic_update_slice_in_dim(dt, hw_t @ p, c * size, axis=1)), None
+
+    dh = vary(jnp.zeros(h.shape, jnp.float32), h, tb, labels, lse, g)
+    dt = jnp.zeros((hw_t.shape[0], plan.rows_per_shard), jnp.float32)
+    dt = vary(dt, h, tb, labels, lse, g)
+    (dh, dt), _ = jax.lax.scan(step, (dh, dt), jnp.arange(plan.num_chunks))
+    dh = dh * w[:, None]
+    # The targets: (1 - eps) on the label's row where this device holds it, eps / V on each row
+    local = labels - row_start(plan)
+    own = (local >= 0) & (local < plan.rows_per_shard) & (labels < plan.vocab_size)
+    at = jnp.where(own, local, 0)
+    hit = jnp.where(own, (1.0 - eps) * g, 0.0)  # f32[T]
+    if plan.gathered_axes:  # tb: f32[H, V/R]
+        t_label = jnp.take(tb, at, axis=1, mode="clip").T  # f32[T, H]
+    else:
+        t_label = jnp.take(tb, at, axis=0, mode="clip")  # f32[T, H/K]
+    dh = dh - hit[:, None] * t_label
+    dt = dt.at[:, at].add(-(hit[:, None] * h).T, mode="promise_in_bounds")
+    if eps:
+        real = (row_start(plan) + jnp.arange(plan.rows_per_shard)) < plan.vocab_size
+        row_sum = _row_sum(plan, tb, real)  # f32[H/K]: this device's real rows, summed
+        dh = dh - (eps / plan.vocab_size) * g[:, None] * row_sum[None, :]
+        h_g = (eps / plan.vocab_size) * (g @ h)  # f32[H/K]
+        dt = dt - h_g[:, None] * real.astype(jnp.float32)[None, :]
+    return dh, dt
+
+
+def _row_sum(plan: CrossEntropyPlan, tb: jax.Array, real: jax.Array) -> jax.Array:
+    """The sum of this device's real rows of the bodies' table: f32[H] or f32[H/K]."""
+    spec = "hv,v->h" if plan.gathered_axes else "vh,v->h"
+    return jnp.einsum(spec, tb, real.astype(tb.dtype), preferred_element_type=jnp.float32)
+
+
+def _capped_grads(plan, h, tb, labels, lse, g, p_coef, block):
+    """Hidden's gradient and the table's, transposed, under a soft cap: `dz` per chunk, times
+    `1 - tanh(z / c) ** 2` (the chain rule through `c * tanh(z / c)`)."""
+    eps, size = plan.label_smoothing, plan.chunk_rows
+    padded = _padded(plan)
+    h_t = jax.lax.optimization_barrier(h.T)  # f32[H/K, T]: see _softmax_grads
+
+    def step(carry, c):
+        dh, dt = carry  # f32[T, H/K], f32[H/K, V/R]
+        rows = _rows(plan, c)
+        valid = rows[None, :] < plan.vocab_size  # bool[1, C]
+        if block is not None:  # the forward's whole logits
+            z, t_c = block, _table_chunk(plan, tb, c)
+        else:
+            z, t_c = _logits(plan, h, tb, c)
+        z, tanh = softcap_logits(plan, z)
+        p = jnp.exp(z - lse[:, None])
+        hit = rows[None, :] == labels[:, None]
+        if padded:
+            p, hit = jnp.where(valid, p, 0.0), hit & valid
+        target = (1.0 - eps) * hit + (eps / plan.vocab_size)
+        target = jnp.where(valid, target, 0.0) if padded else target
+        dz = (p_coef[:, None] * p - g[:, None] * target) * (1.0 - tanh * tanh)  # f32[T, C]
+        dh = dh + (jnp.einsum("tc,hc->th", dz, t_c) if plan.gathered_axes else dz @ t_c)
+        return (dh, jax.lax.dynamic_update_slice_in_dim(dt, h_t @ dz, c * size, axis=1)), None
+
+    dh = vary(jnp.zeros(h.shape, jnp.float32), h, tb, labels, lse, g)
+    dt = jnp.zeros((h_t.shape[0], plan.rows_per_shard), jnp.float32)
+    dt = vary(dt, h, tb, labels, lse, g)
+    (dh, dt), _ = jax.lax.scan(step, (dh, dt), jnp.arange(plan.num_chunks))
+    return dh, dt
+
+
+def _table_chunk(plan: CrossEntropyPlan, tb: jax.Array, c: jax.Array) -> jax.Array:
+    """Chunk `c` of the bodies' table: f[H, C] gathered (transposed), else f[C, H/K]."""
+    axis = 1 if plan.gathered_axes else 0
+    return jax.lax.dynamic_slice_in_dim(tb, c * plan.chunk_rows, plan.chunk_rows, axis=axis)
 
 
 # --- custom_vjp over the two shard_maps ----------------------------------------------------
@@ -230,14 +365,20 @@ def _run(body, plan: CrossEntropyPlan, mesh: Any, in_specs, out_specs):
 
 
 def _forward(plan, mesh, hidden, table, labels):
-    """`(loss, lse)`, and the logits block when the plan saves it for the backward."""
+    """`(loss, lse)`, then what the backward reuses: the one chunk's block (and the shift its
+    exponentials are relative to, uncapped) when the plan saves it, the gathered table."""
     specs = (plan.hidden_spec, plan.weight_spec, plan.tokens_spec)
-    outs = (plan.tokens_spec, plan.tokens_spec)
-    if plan.saves_logits:
-        outs = (*outs, plan.logits_spec)
+    outs = (plan.tokens_spec, plan.tokens_spec, *_saved_specs(plan))
     if plan.gathered_axes:
         outs = (*outs, plan.body_table_spec)
     return _run(_forward_body, plan, mesh, specs, outs)(hidden, table, labels)
+
+
+def _saved_specs(plan: CrossEntropyPlan) -> tuple[P, ...]:
+    """The layouts of the forward's saved block (and its shift, uncapped), if it saves one."""
+    if not plan.saves_block:
+        return ()
+    return (plan.logits_spec,) if plan.softcap is not None else (plan.logits_spec,) * 2
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -256,12 +397,10 @@ def _cross_entropy_bwd(plan, mesh, residuals, g):
     hidden, table, labels, *saved = residuals  # lse, and the logits when saved
     g = move(g, mesh, plan.tokens_spec)
     tok = plan.tokens_spec
-    in_specs = (plan.hidden_spec, plan.body_table_spec, tok, tok, tok)
-    if plan.saves_logits:
-        in_specs = (*in_specs, plan.logits_spec)
+    in_specs = (plan.hidden_spec, plan.body_table_spec, tok, tok, tok, *_saved_specs(plan))
     run = _run(_backward_body, plan, mesh, in_specs, (plan.hidden_spec, plan.weight_spec))
-    lse, *logits = saved
-    hidden_grad, table_grad = run(hidden, table, labels, lse, g, *logits)
+    lse, *block = saved
+    hidden_grad, table_grad = run(hidden, table, labels, lse, g, *block)
     return hidden_grad, table_grad, None
 
 

@@ -63,10 +63,10 @@ class CrossEntropyPlan:
 
     Properties give derived values: `num_chunks`, `local_tokens` (tokens per device),
     `collectives` (`(phase, op, axes, operand)` each), `priced_collectives` (with their
-    bytes), `wire_bytes`, `peak_bytes`, `logits_block_bytes`, `saves_logits` (the backward
-    reuses the forward's psummed logits block), `gathered_axes`, `partial_axes` (the axes the
-    bodies' logits are partial over), `body_table_spec` and `logits_spec`. `str(plan)` prints
-    it as a table.
+    bytes), `wire_bytes`, `peak_bytes`, `logits_block_bytes`, `saves_block` (unchunked, the
+    backward reuses the forward's block), `saves_logits` (and so skips the psum of its logits
+    over K), `gathered_axes`, `partial_axes` (the axes the bodies' logits are partial over),
+    `body_table_spec` and `logits_spec`. `str(plan)` prints it as a table.
 
     Examples:
       >>> import jax
@@ -127,26 +127,34 @@ class CrossEntropyPlan:
 
     @property
     def body_table_spec(self) -> P:
-        """The table as the loss's bodies multiply it: `weight_spec`, or `P(R, None)` gathered."""
+        """The table as the loss's bodies multiply it: `weight_spec`, or, gathered, the
+        transposed `[H, V]` as `P(None, R)` (the bodies multiply `h @ tT`: see the kernel)."""
         if not self.gathered_axes:
             return self.weight_spec
-        return P(*tuple(self.weight_spec)[:1], None)
+        return P(None, *tuple(self.weight_spec)[:1])
 
     @property
     def num_chunks(self) -> int:
         return self.rows_per_shard // self.chunk_rows
 
     @property
-    def saves_logits(self) -> bool:
-        """Whether the forward keeps its one logits block `f32[T, V/R]` for the backward.
+    def saves_block(self) -> bool:
+        """Whether the forward keeps its one block `f32[T, V/R]` for the backward: unchunked.
 
-        With the table's hidden axis split (K), the logits are whole only after a psum over
-        K. Unchunked, the backward reuses the forward's block, kept between the passes,
-        rather than psum the same block again (whether XLA would merge the two psums is left
-        to no chance: it did in float32, not in bfloat16). Chunked, each chunk is recomputed
-        and psummed again, so that no more than one chunk lives at a time.
+        The block is the exponentials `exp(z - m)` the forward summed (with `m` per token),
+        so that the backward's softmax is one multiply, `exp(z - lse) = e * exp(m - lse)`,
+        not a second product and a second `exp` of every logit; under a soft cap it is the
+        logits (the chain rule needs `tanh(z / c)`). Chunked, each chunk is recomputed, so
+        that no more than one chunk lives at a time.
         """
-        return bool(self.partial_axes) and self.num_chunks == 1
+        return self.num_chunks == 1
+
+    @property
+    def saves_logits(self) -> bool:
+        """Whether the backward skips the psum of its logits over K: the forward's block,
+        whole over K, is saved (`saves_block`) where the table's hidden axis splits the
+        product. Chunked, each chunk is recomputed and psummed again."""
+        return bool(self.partial_axes) and self.saves_block
 
     @property
     def logits_spec(self) -> P:
