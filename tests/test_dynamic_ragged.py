@@ -234,6 +234,7 @@ def test_bad_ragged_keys_name_the_value_and_the_fix():
         DC.read_rows(layout, DC.init_states(layout), {"hist": jaxembed.Ragged.from_lists([[1]])})
 
 
+@pytest.mark.slow  # 50 s; the NNX collection's ragged test above runs the same kernels
 def test_the_linen_collection_reads_ragged_bags_as_the_same_bags_padded_densely():
     cfg = config("lfu")
     model = LinenNet(tuple(tables("rows", cfg)))

@@ -582,6 +582,7 @@ _SLOTS_ADDED_IN_ORDER = 64
 unrolled); longer ones, and every other bag, by `pool_sum`'s segment sum."""
 
 
+@functools.partial(jax.jit, static_argnums=0)  # eager calls: one program, not 2 L ops
 def _pool_dense(ops, weight, ids: jax.Array, valid: jax.Array) -> jax.Array:
     """Dense sum bags `[*lead, L]` without weights, pooled without a scatter: f32 `[*lead, H]`.
 
