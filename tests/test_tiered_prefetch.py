@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_tiered import _bags
 
 import jaxembed
 from jaxembed.dynamic.keys import bucket_of, is_reserved, keys_to_host, to_uint64
@@ -39,18 +40,6 @@ def _setup(tmp_path, rows, opt, cache_rows, seed, **kw):
     store = create_store(tmp_path / "store", rows=rows, dim=H, optimizer=opt, table=init)
     ref = jnp.asarray(init)
     return store, TieredTable(store, cache_rows, optimizer=opt, **kw), ref, opt.init(ref)
-
-
-def _bags(rng, steps, batch, length, rows, zipf=None):
-    out = []
-    for _ in range(steps):
-        if zipf is None:
-            ids = rng.integers(0, rows, (batch, length))
-        else:
-            ids = (rng.zipf(zipf, (batch, length)) - 1) % rows
-        ids[rng.random((batch, length)) < 0.15] = -1
-        out.append(ids)
-    return out
 
 
 def _assert_store_equals(store, ref, ref_state):
