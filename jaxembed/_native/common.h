@@ -387,7 +387,8 @@ SortedSlots SortSlotsByKey(int64_t m, int bits, const KeyOf& key_of, Team& team)
     return out;
   }
   auto pairs_a = Uninitialized<uint64_t>(n);
-  auto pairs_b = Uninitialized<uint64_t>(n);
+  // The last pass writes the slots and keys apart: a second pair buffer only for 3 passes.
+  auto pairs_b = Uninitialized<uint64_t>(passes > 2 ? n : 0);
   team.Run([&](int t) {
     int64_t* c = &counts[t * buckets];
     uint64_t* a = pairs_a.get();
